@@ -1,0 +1,164 @@
+"""The routing contract shared by the live gateway and the simulator.
+
+A policy is a pure function of ``(request, snapshot, rng)`` returning a ranked
+``Decision``: no I/O, no clock, no global random. Policies that need memory (round
+robin's cursor, prefix affinity's index) keep it on the policy object and update it
+only in the ``on_dispatch`` / ``on_complete`` hooks, never while choosing.
+
+The gateway builds ``ClusterSnapshot`` from scraped engine metrics plus its own live
+counters; the simulator builds the same object from simulated engines.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+__all__ = [
+    "BackendState",
+    "ClusterSnapshot",
+    "Decision",
+    "Outcome",
+    "Policy",
+    "RequestInfo",
+    "eligible",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestInfo:
+    """The request profile (S1.1) a policy sees."""
+
+    request_id: str
+    model: str
+    input_tokens: int
+    predicted_output_tokens: int
+    max_tokens: int | None = None
+    session_key: str | None = None
+    prefix_hashes: tuple[int, ...] = ()
+    priority: int = 0
+    tenant: str | None = None
+
+
+@dataclass(slots=True)
+class BackendState:
+    """Everything known about one backend at snapshot time. ``None`` means unknown."""
+
+    # static, from config or discovery
+    backend_id: str
+    url: str = ""
+    models: frozenset[str] = frozenset()
+    gpu: str = ""
+    group: str = ""
+    version: str = ""
+    cost_per_hour: float = 0.0
+    weight: float = 1.0
+    kv_capacity_tokens: int | None = None
+    max_num_seqs: int | None = None
+    # health (fault-tolerance layer)
+    healthy: bool = True
+    draining: bool = False
+    effective_weight: float = 1.0
+    # scraped from the engine's /metrics; stale scrapes are marked, never read as idle
+    num_running: int | None = None
+    num_waiting: int | None = None
+    kv_usage: float | None = None
+    prefix_hit_rate: float | None = None
+    pcie_util: float | None = None
+    scrape_stale: bool = False
+    # gateway-local live counters, updated at dispatch and completion
+    in_flight: int = 0
+    outstanding_prefill_tokens: int = 0
+    outstanding_decode_tokens: int = 0
+    ewma_ttft_ms: float | None = None
+    ewma_tpot_ms: float | None = None
+    consecutive_errors: int = 0
+
+    @property
+    def is_routable(self) -> bool:
+        return self.healthy and not self.draining and self.effective_weight > 0.0
+
+    @property
+    def outstanding_tokens(self) -> int:
+        return self.outstanding_prefill_tokens + self.outstanding_decode_tokens
+
+
+@dataclass(slots=True)
+class ClusterSnapshot:
+    """A read-only view of the cluster for one decision. Policies must not mutate it."""
+
+    now_s: float
+    backends: tuple[BackendState, ...]
+    _by_model: dict[str, tuple[BackendState, ...]] = field(default_factory=dict, repr=False)
+
+    def pool(self, model: str) -> tuple[BackendState, ...]:
+        """Every backend serving ``model`` (healthy or not), in snapshot order."""
+        hit = self._by_model.get(model)
+        if hit is None:
+            hit = tuple(b for b in self.backends if model in b.models)
+            self._by_model[model] = hit
+        return hit
+
+    def get(self, backend_id: str) -> BackendState | None:
+        for b in self.backends:
+            if b.backend_id == backend_id:
+                return b
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Ranked backend ids, best first: ``ranked[0]`` is the pick, the rest fallbacks.
+
+    An empty ``ranked`` means no backend can take the request (the gateway answers 503).
+    """
+
+    ranked: tuple[str, ...]
+    policy: str
+    reason: str = ""
+    scores: Mapping[str, float] | None = None
+
+    @property
+    def backend_id(self) -> str | None:
+        return self.ranked[0] if self.ranked else None
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What happened to a dispatched request, for ``on_complete`` hooks."""
+
+    ok: bool
+    status: int = 200
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    output_tokens: int = 0
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """Routing policy. ``choose`` is pure; hooks may update the policy's own state."""
+
+    name: str
+
+    def choose(
+        self, request: RequestInfo, snapshot: ClusterSnapshot, rng: random.Random
+    ) -> Decision: ...
+
+    def on_dispatch(self, request: RequestInfo, backend_id: str) -> None: ...
+
+    def on_complete(self, request: RequestInfo, backend_id: str, outcome: Outcome) -> None: ...
+
+
+def eligible(request: RequestInfo, snapshot: ClusterSnapshot) -> list[BackendState]:
+    """The one shared filter: backends serving the request's model that are healthy,
+    not draining and carry a positive effective weight, in snapshot order."""
+    return [b for b in snapshot.pool(request.model) if b.is_routable]
+
+
+def rank_rest(first: Iterable[str], pool: Iterable[BackendState]) -> tuple[str, ...]:
+    """``first`` followed by every other backend of ``pool`` in pool order (fallbacks)."""
+    head = list(first)
+    seen = set(head)
+    return tuple(head + [b.backend_id for b in pool if b.backend_id not in seen])
