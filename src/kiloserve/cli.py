@@ -19,7 +19,10 @@ __all__ = ["COMMANDS", "main", "main_entry"]
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "engine": ("kiloserve.engine.cli", "run one engine twin (a vLLM-like server on a modelled GPU)"),
+    "engine": (
+        "kiloserve.engine.cli",
+        "run one engine twin (a vLLM-like server on a modelled GPU)",
+    ),
     "up": ("kiloserve.launch.cli", "start a local cluster of engines (and the gateway) from YAML"),
     "gateway": ("kiloserve.gateway.cli", "run the OpenAI-compatible load-aware gateway"),
     "bench": ("kiloserve.bench.cli", "benchmark any OpenAI-compatible endpoint"),

@@ -1,0 +1,249 @@
+"""A local cluster of engine twins (and the gateway in front), one process each.
+
+``LocalCluster`` is a context manager used by ``kiloserve up``, ``kiloserve compare``
+and the tests::
+
+    with LocalCluster(load_cluster_config("examples/cluster.yaml")) as cluster:
+        print(cluster.gateway_url, [b.url for b in cluster.backends])
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import yaml
+
+from kiloserve.launch.config import ClusterConfig, ExpandedBackend
+from kiloserve.launch.process import ChildProcess, LaunchError
+
+__all__ = ["BackendInfo", "LocalCluster", "free_port"]
+
+log = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (bind port 0 and read it back)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """What ``kiloserve up`` prints per backend."""
+
+    name: str
+    url: str
+    gpu: str
+    model: str
+    tp: int
+    quant: str
+    kv_capacity_tokens: int
+    group: str
+    version: str
+    cost_per_hour: float
+    weight: float
+
+
+def _describe(item: ExpandedBackend, url: str) -> BackendInfo:
+    from kiloserve.catalog import get_gpu, get_model
+    from kiloserve.plan.memory import plan_memory
+
+    spec = item.spec
+    gpu, model = get_gpu(spec.gpu), get_model(spec.model)
+    ledger = plan_memory(gpu, model, tp=spec.tp, quant=spec.quant)  # raises DoesNotFitError
+    cost = spec.cost_per_hour if spec.cost_per_hour is not None else gpu.cost_per_hour * spec.tp
+    return BackendInfo(
+        name=item.name,
+        url=url,
+        gpu=gpu.name,
+        model=spec.served_model_name or model.name,
+        tp=spec.tp,
+        quant=spec.quant,
+        kv_capacity_tokens=ledger.kv_capacity_tokens,
+        group=spec.group,
+        version=spec.version,
+        cost_per_hour=cost,
+        weight=spec.weight,
+    )
+
+
+def _twin_argv(item: ExpandedBackend, host: str, port: int) -> list[str]:
+    spec = item.spec
+    argv = [sys.executable, "-m", "kiloserve", "engine", "--gpu", spec.gpu, "--model", spec.model]
+    argv += ["--tp", str(spec.tp), "--quant", spec.quant, "--host", host, "--port", str(port)]
+    optional = {
+        "--served-model-name": spec.served_model_name,
+        "--max-num-seqs": spec.max_num_seqs,
+        "--max-num-batched-tokens": spec.max_num_batched_tokens,
+        "--max-model-len": spec.max_model_len,
+    }
+    for flag, value in optional.items():
+        if value is not None:
+            argv += [flag, str(value)]
+    f = spec.faults
+    if f is not None:
+        if f.slowdown is not None:
+            argv += ["--slowdown", str(f.slowdown)]
+        if f.error_rate is not None:
+            argv += ["--error-rate", str(f.error_rate)]
+        if f.status is not None:
+            argv += ["--error-status", str(f.status)]
+        if f.hang:
+            argv.append("--hang")
+        if f.stall_after_tokens is not None:
+            argv += ["--stall-after-tokens", str(f.stall_after_tokens)]
+    return argv + list(spec.extra_args)
+
+
+def gateway_config(cfg: ClusterConfig, backends: list[BackendInfo], port: int) -> dict[str, Any]:
+    """The gateway YAML (``kiloserve gateway -c``) for this cluster's backends."""
+    gw = cfg.gateway
+    out: dict[str, Any] = {
+        "host": gw.host,
+        "port": port,
+        "policy": {"name": gw.policy, "params": dict(gw.policy_params)},
+        "backends": [
+            {
+                "name": b.name,
+                "url": b.url,
+                "models": [b.model],
+                "gpu": b.gpu,
+                "group": b.group,
+                "version": b.version,
+                "cost_per_hour": b.cost_per_hour,
+                "weight": b.weight,
+                "engine": "vllm",
+            }
+            for b in backends
+        ],
+    }
+    out.update(gw.options)
+    return out
+
+
+class LocalCluster:
+    """Starts every twin, waits until all are healthy, then the gateway (optional)."""
+
+    def __init__(
+        self,
+        cfg: ClusterConfig,
+        *,
+        gateway: bool | None = None,
+        policy: str | None = None,
+        policy_params: dict[str, Any] | None = None,
+        gateway_port: int | None = None,
+        run_dir: Path | None = None,
+        start_timeout_s: float = 60.0,
+    ) -> None:
+        self.cfg = cfg
+        self.with_gateway = cfg.gateway.enabled if gateway is None else gateway
+        self.policy = policy or cfg.gateway.policy
+        self.policy_params = cfg.gateway.policy_params if policy_params is None else policy_params
+        self.gateway_port = cfg.gateway.port if gateway_port is None else gateway_port
+        self.run_dir = run_dir or Path(tempfile.mkdtemp(prefix="kiloserve-up-"))
+        self.start_timeout_s = start_timeout_s
+        self.backends: list[BackendInfo] = []
+        self.children: list[ChildProcess] = []
+        self.gateway: ChildProcess | None = None
+
+    @property
+    def gateway_url(self) -> str | None:
+        return self.gateway.url if self.gateway else None
+
+    def start(self) -> None:
+        host = self.cfg.host
+        items = self.cfg.expanded()
+        ports = [free_port(host) for _ in items]
+        # Validate every backend (catalog names, memory fit) before starting anything.
+        self.backends = [
+            _describe(it, f"http://{host}:{p}") for it, p in zip(items, ports, strict=True)
+        ]
+        try:
+            for it, port, info in zip(items, ports, self.backends, strict=True):
+                child = ChildProcess(
+                    name=info.name,
+                    argv=_twin_argv(it, host, port),
+                    url=info.url,
+                    log_path=self.run_dir / f"{info.name}.log",
+                )
+                child.start()
+                self.children.append(child)
+            for child in self.children:
+                child.wait_healthy(self.start_timeout_s)
+            if self.with_gateway:
+                self._start_gateway()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start_gateway(self) -> None:
+        gw = self.cfg.gateway
+        port = self.gateway_port or free_port(gw.host)
+        conf = gateway_config(self.cfg, self.backends, port)
+        conf["policy"] = {"name": self.policy, "params": dict(self.policy_params)}
+        path = self.run_dir / "gateway.yaml"
+        path.write_text(yaml.safe_dump(conf, sort_keys=False))
+        self.gateway = ChildProcess(
+            name="gateway",
+            argv=[sys.executable, "-m", "kiloserve", "gateway", "-c", str(path)],
+            url=f"http://{gw.host}:{port}",
+            log_path=self.run_dir / "gateway.log",
+            health_path="/ready",
+        )
+        self.gateway.start()
+        self.gateway.wait_healthy(self.start_timeout_s)
+
+    def crashed(self) -> list[tuple[str, int]]:
+        """Children that exited since the last call: (name, exit status), each reported once."""
+        out: list[tuple[str, int]] = []
+        for child in [*self.children, *([self.gateway] if self.gateway else [])]:
+            code = child.exit_code()
+            if code is not None and not child.reported_exit:
+                child.reported_exit = True
+                out.append((child.name, code))
+        return out
+
+    def log_path(self, name: str) -> Path:
+        return self.run_dir / f"{name}.log"
+
+    def stop(self) -> None:
+        """Stop the gateway first (no new work), then every twin."""
+        if self.gateway is not None:
+            self.gateway.stop()
+        for child in self.children:
+            child.stop()
+
+    def pids(self) -> list[int]:
+        procs = [*self.children, *([self.gateway] if self.gateway else [])]
+        return [p.pid for p in procs if p.pid is not None]
+
+    def __enter__(self) -> LocalCluster:
+        t0 = time.monotonic()
+        self.start()
+        log.info("cluster up in %.1f s (logs in %s)", time.monotonic() - t0, self.run_dir)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def raise_if_crashed(cluster: LocalCluster) -> None:
+    """Raise LaunchError naming any child that exited (used by long-running callers)."""
+    dead = cluster.crashed()
+    if dead:
+        names = ", ".join(f"{n} (status {c})" for n, c in dead)
+        raise LaunchError(f"cluster processes exited: {names}; logs in {cluster.run_dir}")

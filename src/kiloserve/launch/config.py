@@ -1,0 +1,167 @@
+"""Cluster YAML for ``kiloserve up`` / ``kiloserve compare`` (pydantic, extra="forbid").
+
+Example (see ``examples/cluster.yaml``)::
+
+    gateway:
+      port: 8000
+      policy: default
+    backends:
+      - name: h100-llama
+        gpu: H100
+        model: llama-3.1-8b
+        count: 2
+        group: rack-a
+      - name: l40s-qwen
+        gpu: L40S
+        model: qwen2-7b
+        faults: {slowdown: 4.0}
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from kiloserve.errors import ConfigError
+
+__all__ = [
+    "BackendSpec",
+    "ClusterConfig",
+    "ExpandedBackend",
+    "FaultSpec",
+    "GatewaySpec",
+    "load_cluster_config",
+    "parse_cluster_config",
+]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class FaultSpec(_Strict):
+    """Faults a twin starts with (the same knobs as ``POST /admin/faults``)."""
+
+    slowdown: float | None = Field(default=None, gt=0)
+    error_rate: float | None = Field(default=None, ge=0, le=1)
+    status: int | None = Field(default=None, ge=400, le=599)
+    hang: bool = False
+    stall_after_tokens: int | None = Field(default=None, ge=0)
+
+
+class BackendSpec(_Strict):
+    """One line of the cluster: ``count`` identical backends."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    gpu: str
+    model: str
+    tp: int = Field(default=1, ge=1, le=64)
+    quant: str = "bf16"
+    count: int = Field(default=1, ge=1, le=256)
+    engine: Literal["twin"] = "twin"
+    served_model_name: str | None = None
+    group: str = ""
+    version: str = ""
+    cost_per_hour: float | None = Field(default=None, ge=0)
+    weight: float = Field(default=1.0, ge=0)
+    max_num_seqs: int | None = Field(default=None, ge=1)
+    max_num_batched_tokens: int | None = Field(default=None, ge=1)
+    max_model_len: int | None = Field(default=None, ge=16)
+    faults: FaultSpec | None = None
+    extra_args: list[str] = Field(default_factory=list)
+
+
+class GatewaySpec(_Strict):
+    """Gateway settings for the local cluster; ``options`` pass through to its config."""
+
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    policy: str = "default"
+    policy_params: dict[str, Any] = Field(default_factory=dict)
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class ClusterConfig(_Strict):
+    name: str = "local"
+    host: str = "127.0.0.1"
+    gateway: GatewaySpec = Field(default_factory=GatewaySpec)
+    backends: list[BackendSpec]
+
+    @field_validator("backends")
+    @classmethod
+    def _unique_names(cls, value: list[BackendSpec]) -> list[BackendSpec]:
+        if not value:
+            raise ValueError("at least one backend is required")
+        names = [b.name for b in value]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"backend names must be unique; repeated: {', '.join(dupes)}")
+        return value
+
+    def expanded(self) -> list[ExpandedBackend]:
+        """One entry per process: ``count: 2`` of ``a`` gives ``a-0`` and ``a-1``."""
+        out: list[ExpandedBackend] = []
+        for spec in self.backends:
+            for i in range(spec.count):
+                name = spec.name if spec.count == 1 else f"{spec.name}-{i}"
+                out.append(ExpandedBackend(name=name, spec=spec))
+        return out
+
+
+class ExpandedBackend(_Strict):
+    name: str
+    spec: BackendSpec
+
+
+def _format_error(exc: ValidationError, source: str) -> str:
+    lines = [f"invalid cluster config {source}:"]
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            model = _model_at(err["loc"])
+            valid = ", ".join(sorted(model.model_fields)) if model else "?"
+            msg = f"unknown key '{err['loc'][-1]}' (valid keys: {valid})"
+        lines.append(f"  {loc}: {msg}")
+    return "\n".join(lines)
+
+
+def _model_at(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
+    model: type[BaseModel] = ClusterConfig
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part)
+        if field is None:
+            return None
+        ann = field.annotation
+        inner = getattr(ann, "__args__", (ann,))
+        nxt = next((a for a in inner if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if nxt is None:
+            return None
+        model = nxt
+    return model
+
+
+def parse_cluster_config(data: Any, source: str = "<dict>") -> ClusterConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid cluster config {source}: top level must be a mapping")
+    try:
+        return ClusterConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc, source)) from exc
+
+
+def load_cluster_config(path: str | Path) -> ClusterConfig:
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read cluster config {p}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"cluster config {p} is not valid YAML: {exc}") from exc
+    return parse_cluster_config(data, str(p))
