@@ -1,0 +1,211 @@
+"""EngineCore: the scheduler plus a step-time model, stepped by its caller.
+
+The engine twin calls ``step()`` in real time; the simulator calls
+``max_fast_forward_steps()`` and ``advance(k)`` to jump over runs of identical
+decode steps. ``advance(k)`` leaves exactly the state ``k`` calls of ``step()``
+would, and its duration is the timer's ``decode_steps_time_s`` for the batch.
+
+Timing contract (``StepTimer``): a prefill entry is ``(num_new_tokens,
+num_computed_tokens)`` (T new tokens over P already in the KV cache); a decode
+context is the number of tokens the decoded token attends to, including itself
+(``num_computed_tokens + 1``). ``decode_steps_time_s(contexts, k)`` must equal the sum
+of ``step_time_s([], [c + j for c in contexts])`` for ``j`` in ``0..k-1``.
+"""
+
+from __future__ import annotations
+
+import collections.abc as cabc
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kiloserve.engine.config import EngineConfig
+from kiloserve.engine.scheduler import ScheduledBatch, Scheduler
+from kiloserve.engine.sequence import Sequence
+from kiloserve.errors import KiloserveError, RequestError
+
+__all__ = ["EngineCore", "StepResult", "StepTimer"]
+
+
+class StepTimer(Protocol):
+    """Modelled GPU time of engine steps (see the module docstring for the contract)."""
+
+    def step_time_s(
+        self, prefill: cabc.Sequence[tuple[int, int]], decode_contexts: cabc.Sequence[int]
+    ) -> float: ...
+
+    def decode_steps_time_s(self, decode_contexts: cabc.Sequence[int], num_steps: int) -> float: ...
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one step (or ``num_steps`` fused decode steps) did."""
+
+    duration_s: float
+    num_steps: int
+    new_tokens: dict[str, int] = field(default_factory=dict)
+    finished: list[Sequence] = field(default_factory=list)
+    num_preempted: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+
+class EngineCore:
+    """One modelled engine: add sequences, step it, read its stats."""
+
+    def __init__(self, config: EngineConfig, timer: StepTimer) -> None:
+        self.config = config
+        self.timer = timer
+        self.scheduler = Scheduler(config)
+        self._seqs: dict[str, Sequence] = {}  # unfinished sequences by id
+        self._max_fast_forward_steps: int | None = None  # cached until the state changes
+
+    def add(self, seq: Sequence) -> None:
+        """Queue ``seq``; raises RequestError if it is invalid or could never fit."""
+        self._check_request(seq)
+        self._seqs[seq.seq_id] = seq
+        self.scheduler.add(seq)
+        self._max_fast_forward_steps = None
+
+    def _check_request(self, seq: Sequence) -> None:
+        cfg = self.config
+        if seq.seq_id in self._seqs:
+            raise RequestError(f"duplicate request id {seq.seq_id!r}")
+        if seq.block_size != cfg.block_size:
+            raise RequestError(f"sequence block_size {seq.block_size} != engine {cfg.block_size}")
+        if not seq.prompt_token_ids:
+            raise RequestError("prompt must not be empty", param="prompt")
+        if seq.max_tokens < 1:
+            raise RequestError("max_tokens must be at least 1", param="max_tokens")
+        if seq.output_token_ids or seq.num_computed_tokens or seq.block_table:
+            raise RequestError(f"sequence {seq.seq_id!r} was already run")
+        num_tokens = seq.num_prompt_tokens + seq.max_tokens
+        if num_tokens > cfg.max_model_len:
+            raise RequestError(
+                f"This model's maximum context length is {cfg.max_model_len} tokens; the "
+                f"request asks for {num_tokens} ({seq.num_prompt_tokens} prompt + "
+                f"{seq.max_tokens} output)",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        # The last output token is never fed back, so its KV slot is never needed.
+        num_blocks = -(-(num_tokens - 1) // cfg.block_size)
+        if num_blocks > cfg.num_usable_blocks:
+            raise RequestError(
+                f"request needs {num_blocks} KV blocks but the engine has {cfg.num_usable_blocks}",
+                param="max_tokens",
+            )
+
+    def abort(self, seq_id: str) -> Sequence | None:
+        """Stop an unfinished sequence now and free its blocks (finish_reason "abort")."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is not None:
+            self.scheduler.abort(seq)
+            self._max_fast_forward_steps = None
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_seq(self, seq_id: str) -> Sequence | None:
+        """An unfinished sequence by id (finished ones are handed out by ``step``)."""
+        return self._seqs.get(seq_id)
+
+    def step(self) -> StepResult:
+        """Run one scheduler step; an idle engine returns a zero-length result."""
+        self._max_fast_forward_steps = None
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return StepResult(duration_s=0.0, num_steps=0, num_preempted=batch.num_preempted)
+        prefill, decode_contexts = _split_batch(batch)
+        duration_s = self.timer.step_time_s(prefill, decode_contexts)
+        new_tokens = {
+            seq.seq_id: 1
+            for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True)
+            if seq.num_computed_tokens + num_new == seq.num_tokens
+        }
+        finished = self.scheduler.postprocess(batch)
+        self._forget(finished)
+        return StepResult(
+            duration_s=duration_s,
+            num_steps=1,
+            new_tokens=new_tokens,
+            finished=finished,
+            num_preempted=batch.num_preempted,
+            num_prefill_tokens=sum(num_new for num_new, _ in prefill),
+            num_decode_tokens=len(decode_contexts),
+        )
+
+    def max_fast_forward_steps(self) -> int:
+        """Steps that can be fused by ``advance`` (0: call ``step`` instead)."""
+        if self._max_fast_forward_steps is None:
+            self._max_fast_forward_steps = self.scheduler.max_decode_steps()
+        return self._max_fast_forward_steps
+
+    def advance(self, num_steps: int) -> StepResult:
+        """Run ``num_steps`` pure decode steps at once; same state and time as single steps."""
+        max_steps = self.max_fast_forward_steps()
+        if not 1 <= num_steps <= max_steps:
+            raise KiloserveError(f"cannot fuse {num_steps} steps now (at most {max_steps})")
+        running = self.scheduler.running
+        decode_contexts = [seq.num_computed_tokens + 1 for seq in running]
+        new_tokens = {seq.seq_id: num_steps for seq in running}
+        duration_s = self.timer.decode_steps_time_s(decode_contexts, num_steps)
+        self._max_fast_forward_steps = None
+        finished = self.scheduler.advance_decodes(num_steps)
+        self._forget(finished)
+        return StepResult(
+            duration_s=duration_s,
+            num_steps=num_steps,
+            new_tokens=new_tokens,
+            finished=finished,
+            num_decode_tokens=num_steps * len(decode_contexts),
+        )
+
+    def _forget(self, finished: list[Sequence]) -> None:
+        for seq in finished:
+            del self._seqs[seq.seq_id]
+
+    # --- stats for /metrics -------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.scheduler.block_manager.kv_usage
+
+    @property
+    def num_preemptions_total(self) -> int:
+        return self.scheduler.num_preemptions_total
+
+    @property
+    def prefix_cache_queries_tokens(self) -> int:
+        return self.scheduler.block_manager.prefix_cache_queries_tokens
+
+    @property
+    def prefix_cache_hits_tokens(self) -> int:
+        return self.scheduler.block_manager.prefix_cache_hits_tokens
+
+    @property
+    def num_blocks(self) -> int:
+        return self.config.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.scheduler.block_manager.num_free_blocks
+
+
+def _split_batch(batch: ScheduledBatch) -> tuple[list[tuple[int, int]], list[int]]:
+    """Prefill entries ``(new, computed)`` and decode contexts, before postprocess."""
+    prefill: list[tuple[int, int]] = []
+    decode_contexts: list[int] = []
+    for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        if num_new == 1 and seq.is_decoding:
+            decode_contexts.append(seq.num_computed_tokens + 1)
+        else:
+            prefill.append((num_new, seq.num_computed_tokens))
+    return prefill, decode_contexts

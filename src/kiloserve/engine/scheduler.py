@@ -1,0 +1,261 @@
+"""Continuous batching with chunked prefill and preemption, like vLLM v1's scheduler.
+
+Each step first serves running sequences in admission order: a decode needs one
+token, a sequence still in (chunked) prefill gets its next chunk. When one needs a
+block and none is free, the most recently admitted running sequence is preempted:
+its blocks are freed, it goes to the front of the waiting queue and is recomputed
+later. If nothing was preempted, waiting sequences are then admitted first come
+first served while ``max_num_seqs`` and the token budget allow; a prefix-cache hit
+skips the cached tokens (the last token is always computed).
+
+``schedule`` picks the work; ``postprocess`` applies its result: computed tokens
+advance, a sequence whose tokens are all computed gets one output token (so the step
+that finishes a prefill yields the first token) and finishes at ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kiloserve.engine.block_manager import BlockManager
+from kiloserve.engine.config import EngineConfig
+from kiloserve.engine.sequence import Sequence, SequenceStatus
+
+__all__ = ["ScheduledBatch", "Scheduler"]
+
+_ALLOCATE = 0
+_REGISTER = 1
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """One step's work: ``(sequence, number of tokens to compute)`` in schedule order."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    """Owns the waiting queue, the running list and the block manager."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.block_manager = BlockManager(
+            config.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order
+        self.num_preemptions_total = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting) or bool(self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        token_budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
+        if batch.num_preempted == 0:
+            self._schedule_waiting(batch, token_budget)
+        return batch
+
+    def _chunk(self, num_tokens: int, token_budget: int) -> int:
+        threshold = self.config.long_prefill_token_threshold
+        if 0 < threshold < num_tokens:
+            num_tokens = threshold
+        return min(num_tokens, token_budget)
+
+    def _schedule_running(self, batch: ScheduledBatch, token_budget: int) -> int:
+        index = 0
+        while index < len(self.running) and token_budget > 0:
+            seq = self.running[index]
+            num_new = self._chunk(seq.num_tokens - seq.num_computed_tokens, token_budget)
+            if not self._make_room(seq, num_new, batch):
+                break  # seq itself was preempted; everything after it is gone too
+            self.block_manager.may_append(seq, num_new)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            token_budget -= num_new
+            index += 1
+        return token_budget
+
+    def _make_room(self, seq: Sequence, num_new: int, batch: ScheduledBatch) -> bool:
+        """Preempt from the back of ``running`` until ``seq`` fits; False if seq went."""
+        while not self.block_manager.can_append(seq, num_new):
+            victim = self.running.pop()
+            self._preempt(victim)
+            batch.num_preempted += 1
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.deallocate(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(seq)
+
+    def _schedule_waiting(self, batch: ScheduledBatch, token_budget: int) -> None:
+        manager = self.block_manager
+        while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            cached_block_ids = manager.find_cached_blocks(seq)
+            num_hit_tokens = len(cached_block_ids) * self.config.block_size
+            num_new = self._chunk(seq.num_tokens - num_hit_tokens, token_budget)
+            if not manager.can_allocate(cached_block_ids, num_new):
+                break
+            self.waiting.popleft()
+            manager.allocate(seq, cached_block_ids, num_new)
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = num_hit_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            token_budget -= num_new
+
+    def postprocess(self, batch: ScheduledBatch) -> list[Sequence]:
+        """Advance computed tokens, emit output tokens; return the sequences that finished."""
+        finished: list[Sequence] = []
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.num_computed_tokens += num_new
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # mid-prefill chunk: no token yet
+            seq.append_output_tokens(1)
+            if seq.num_remaining_output_tokens == 0:
+                finished.append(seq)
+        self.finish(finished, None)
+        return finished
+
+    def finish(self, seqs: list[Sequence], reason: str | None) -> None:
+        """Retire running ``seqs`` (reason None = their own ``stop_reason``)."""
+        if not seqs:
+            return
+        for seq in seqs:
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = seq.stop_reason if reason is None else reason
+            self.block_manager.deallocate(seq)
+        done = {id(seq) for seq in seqs}
+        self.running = [seq for seq in self.running if id(seq) not in done]
+
+    def max_decode_steps(self) -> int:
+        """Largest k such that the next k steps are pure decodes of the running batch.
+
+        Within those k steps no sequence finishes before step k, no waiting sequence
+        can be admitted and the batch needs no more blocks than are free now.
+        """
+        running = self.running
+        if not running or len(running) > self.config.max_num_batched_tokens:
+            return 0
+        max_steps = min((seq.num_remaining_output_tokens for seq in running), default=0)
+        if not all(seq.is_decoding for seq in running) or self._may_admit_during_decodes():
+            return 0
+        return self._max_steps_within_free_blocks(max_steps)
+
+    def _max_steps_within_free_blocks(self, max_steps: int) -> int:
+        num_free = self.block_manager.num_free_blocks
+        low, high = 0, max_steps
+        while low < high:
+            mid = (low + high + 1) // 2
+            if self._num_blocks_for_decodes(mid) <= num_free:
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
+    def _num_blocks_for_decodes(self, num_steps: int) -> int:
+        size = self.config.block_size
+        return sum(
+            -(-(seq.num_computed_tokens + num_steps) // size) - len(seq.block_table)
+            for seq in self.running
+        )
+
+    def _may_admit_during_decodes(self) -> bool:
+        """Whether the waiting head could be admitted while the batch only decodes.
+
+        Decodes only shrink the free pool and the head's cache hits (by eviction), so a
+        lower bound on the blocks the head needs, above the free blocks now, keeps it
+        out; unless a running sequence could register the head's next missing block.
+        """
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return False
+        token_budget = self.config.max_num_batched_tokens - len(self.running)
+        if token_budget <= 0:
+            return False
+        head = self.waiting[0]
+        num_hit_blocks = len(self.block_manager.find_cached_blocks(head))
+        num_new = self._chunk(
+            head.num_tokens - num_hit_blocks * self.config.block_size, token_budget
+        )
+        if self.block_manager.num_blocks_for(num_new) <= self.block_manager.num_free_blocks:
+            return True
+        return self._may_gain_hits(head, num_hit_blocks)
+
+    def _may_gain_hits(self, head: Sequence, num_hit_blocks: int) -> bool:
+        if not self.config.enable_prefix_caching:
+            return False
+        if num_hit_blocks >= (head.num_tokens - 1) // self.config.block_size:
+            return False
+        for seq in self.running:
+            hashes = seq.block_hashes
+            if len(hashes) != num_hit_blocks:
+                continue
+            if num_hit_blocks == 0 or hashes[-1] == head.block_hashes[num_hit_blocks - 1]:
+                return True
+        return False
+
+    def advance_decodes(self, num_steps: int) -> list[Sequence]:
+        """Apply ``num_steps`` decode steps at once (``num_steps <= max_decode_steps()``).
+
+        Blocks are added and registered in the order single steps would do it (by step,
+        then batch position), so the cache ends in exactly the same state.
+        """
+        seqs = list(self.running)
+        finished = [seq for seq in seqs if seq.num_remaining_output_tokens == num_steps]
+        for seq in seqs:
+            seq.append_output_tokens(num_steps)  # hashes must exist before registering
+        for kind, index, num_tokens in self._decode_block_events(seqs, num_steps):
+            if kind == _ALLOCATE:
+                self.block_manager.append_block(seqs[index])
+            else:
+                self.block_manager.register_full_blocks(seqs[index], num_tokens)
+        for seq in seqs:
+            seq.num_computed_tokens += num_steps
+        self.finish(finished, None)
+        return finished
+
+    def _decode_block_events(
+        self, seqs: list[Sequence], num_steps: int
+    ) -> list[tuple[int, int, int]]:
+        """``(kind, batch index, computed tokens)`` sorted by step, index, then kind."""
+        size = self.config.block_size
+        is_caching = self.config.enable_prefix_caching
+        keyed: list[tuple[int, int, int, int]] = []
+        for index, seq in enumerate(seqs):
+            computed = seq.num_computed_tokens
+            for step in range(len(seq.block_table) * size - computed + 1, num_steps + 1, size):
+                keyed.append((step, index, _ALLOCATE, 0))
+            if is_caching:
+                for step in range(size - computed % size, num_steps + 1, size):
+                    keyed.append((step, index, _REGISTER, computed + step))
+        keyed.sort()
+        return [(kind, index, num_tokens) for _, index, kind, num_tokens in keyed]
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop ``seq`` wherever it is, freeing its blocks now."""
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = "abort"
+        elif seq.status is SequenceStatus.RUNNING:
+            self.finish([seq], "abort")
