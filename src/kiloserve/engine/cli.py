@@ -1,0 +1,70 @@
+"""``kiloserve engine``: run one engine twin (a vLLM-like server on a modelled GPU)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from kiloserve.engine.faults import FaultSet
+from kiloserve.engine.twin import TwinConfig
+
+__all__ = ["add_arguments", "config_from_args", "run"]
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``kiloserve engine`` (named like vLLM's where vLLM has them)."""
+    parser.add_argument("--gpu", required=True, help="catalog GPU name, e.g. H100-SXM")
+    parser.add_argument("--model", required=True, help="catalog model name, e.g. llama-3.1-8b")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    parser.add_argument("--quant", default="bf16", help="bf16|fp16|fp8|int8|int4 (default bf16)")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, required=True, help="port; 0 picks a free one")
+    parser.add_argument("--served-model-name", help="model id clients use (default: catalog)")
+    parser.add_argument("--max-num-seqs", type=int, help="batch cap (default: vLLM's for GPU)")
+    parser.add_argument("--max-num-batched-tokens", type=int, help="token budget per step")
+    parser.add_argument("--max-model-len", type=int, help="context length (default: model's)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.92)
+    parser.add_argument("--tokenizer", help="path to a tokenizer.json (default: approximation)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the fault RNG")
+    faults = parser.add_argument_group("faults (also settable at run time: POST /admin/faults)")
+    faults.add_argument("--slowdown", type=float, default=1.0, help="step-time multiplier")
+    faults.add_argument("--error-rate", type=float, default=0.0, help="share of failed requests")
+    faults.add_argument("--error-status", type=int, default=500, help="status of failures")
+    faults.add_argument("--hang", action="store_true", help="accept requests, never answer")
+    faults.add_argument("--stall-after-tokens", type=int, help="streams stop after N tokens")
+
+
+def config_from_args(args: argparse.Namespace) -> TwinConfig:
+    """Build the twin's config; bad fault values raise ``RequestError`` (exit code 2)."""
+    faults = FaultSet(
+        slowdown=args.slowdown,
+        error_rate=args.error_rate,
+        error_status=args.error_status,
+        is_hang=args.hang,
+        stall_after_tokens=args.stall_after_tokens,
+    )
+    return TwinConfig(
+        gpu=args.gpu,
+        model=args.model,
+        tp=args.tp,
+        quant=args.quant,
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        tokenizer_path=args.tokenizer,
+        faults=faults,
+        seed=args.seed,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGINT / SIGTERM. A model that does not fit exits with code 2."""
+    from kiloserve.engine.server import run_twin
+
+    return run_twin(config_from_args(args))

@@ -1,0 +1,387 @@
+"""The engine twin's HTTP API: a vLLM-compatible OpenAI server over ``TwinLoop``.
+
+``create_app(config)`` builds the aiohttp application (tests and the simulator's parity
+tests run it in-process); ``run_twin(config)`` serves it until SIGINT / SIGTERM.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (stream and not),
+``GET /v1/models``, ``GET /health``, ``POST /tokenize``, ``GET /version``,
+``GET /metrics``, ``GET|POST /admin/faults``. Every error is an OpenAI-style JSON body;
+bad input is a 4xx, and anything unexpected a 500 JSON (never a bare traceback).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import orjson
+from aiohttp import web
+
+from kiloserve import __version__
+from kiloserve.engine.core import StepTimer
+from kiloserve.engine.faults import FaultSet
+from kiloserve.engine.protocol import (
+    DONE_EVENT,
+    ChunkEncoder,
+    GenerationRequest,
+    TokenizeFn,
+    parse_chat,
+    parse_completion,
+    plan_output,
+    render_chat,
+)
+from kiloserve.engine.twin import RequestStream, Twin, TwinConfig, build_twin
+from kiloserve.errors import NotFoundError, RequestError
+
+__all__ = ["VLLM_VERSION", "TwinConfig", "create_app", "run_twin", "serve_twin"]
+
+logger = logging.getLogger(__name__)
+
+VLLM_VERSION = "0.33.0"
+WATCH_INTERVAL_S = 0.2
+TWIN_KEY = web.AppKey("twin", Twin)
+Parser = Callable[[object, TokenizeFn], GenerationRequest]
+CrashFn = Callable[[int], None]
+CRASH_KEY: web.AppKey[CrashFn] = web.AppKey("crash")
+SHUTDOWN_TIMEOUT_S = 2.0
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+@dataclass(slots=True, eq=False)
+class _Watched:
+    request: web.BaseRequest
+    gone: asyncio.Event
+    stream: RequestStream | None = None
+
+
+class DisconnectWatcher:
+    """Polls in-flight requests' connections; a vanished client aborts its request."""
+
+    def __init__(self, twin: Twin) -> None:
+        self._twin = twin
+        self._watched: dict[int, _Watched] = {}  # by id() of the request
+
+    def watch(self, request: web.BaseRequest) -> _Watched:
+        entry = _Watched(request, asyncio.Event())
+        self._watched[id(request)] = entry
+        return entry
+
+    def unwatch(self, request: web.BaseRequest) -> None:
+        self._watched.pop(id(request), None)
+
+    def check(self) -> None:
+        for key, entry in list(self._watched.items()):
+            transport = entry.request.transport
+            if transport is None or transport.is_closing():
+                del self._watched[key]
+                self._gone(entry)
+
+    def _gone(self, entry: _Watched) -> None:
+        entry.gone.set()
+        if entry.stream is not None:
+            self._twin.loop.abort(entry.stream)
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            self.check()
+
+
+WATCHER_KEY = web.AppKey("watcher", DisconnectWatcher)
+
+
+def _json(body: object, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
+
+
+def _error(status: int, message: str, err_type: str) -> web.Response:
+    body = {"error": {"message": message, "type": err_type, "param": None, "code": status}}
+    return _json(body, status)
+
+
+@web.middleware
+async def error_middleware(
+    request: web.Request, handler: Callable[[web.Request], object]
+) -> web.StreamResponse:
+    """Turn every failure into an OpenAI-style JSON error with the right status."""
+    try:
+        response = await handler(request)  # type: ignore[misc]
+        return response  # type: ignore[no-any-return]
+    except RequestError as exc:
+        return _json(exc.to_body(), exc.status)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        err_type = "NotFoundError" if exc.status == 404 else "invalid_request_error"
+        return _error(exc.status, exc.reason, err_type)
+    except Exception:
+        logger.exception("unhandled error serving %s %s", request.method, request.path)
+        return _error(500, "internal error in the engine twin", "InternalServerError")
+
+
+async def _read_json(request: web.Request) -> object:
+    raw = await request.read()
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise RequestError(f"request body is not valid JSON: {exc}") from exc
+
+
+def _check_model(twin: Twin, model: str | None) -> None:
+    if model is not None and model != twin.model_name:
+        raise NotFoundError(f"The model `{model}` does not exist.", param="model", code="404")
+
+
+async def _submit(twin: Twin, gen: GenerationRequest, entry: _Watched) -> RequestStream:
+    num_out, finish = plan_output(gen, twin.max_model_len)
+    stream = await twin.loop.submit(
+        gen.prompt_token_ids, num_out, finish, is_notify_each_step=gen.is_stream
+    )
+    entry.stream = stream
+    if entry.gone.is_set():
+        twin.loop.abort(stream)
+    return stream
+
+
+async def _generate(request: web.Request, parser: Parser) -> web.StreamResponse:
+    twin = request.app[TWIN_KEY]
+    body = await _read_json(request)
+    watcher = request.app[WATCHER_KEY]
+    entry = watcher.watch(request)
+    try:
+        if twin.faults.faults.is_hang:
+            await entry.gone.wait()  # accept, never answer
+            return web.Response(status=499)
+        status = twin.faults.draw_error_status()
+        if status is not None:
+            err_type = "InternalServerError" if status >= 500 else "invalid_request_error"
+            return _error(status, "injected fault (kiloserve engine twin)", err_type)
+        gen = parser(body, twin.tokenize)
+        _check_model(twin, gen.model)
+        stream = await _submit(twin, gen, entry)
+        if gen.is_stream:
+            return await _send_stream(request, twin, gen, stream, entry)
+        return await _send_full(twin, gen, stream)
+    finally:
+        watcher.unwatch(request)
+        if entry.stream is not None:
+            twin.loop.abort(entry.stream)
+
+
+def _encoder(twin: Twin, gen: GenerationRequest) -> ChunkEncoder:
+    prefix = "cmpl-" if gen.kind == "completion" else "chatcmpl-"
+    return ChunkEncoder(gen.kind, prefix + uuid.uuid4().hex, twin.model_name, int(time.time()))
+
+
+async def _send_full(twin: Twin, gen: GenerationRequest, stream: RequestStream) -> web.Response:
+    while not stream.is_finished:
+        await stream.wait_beyond(stream.num_generated_tokens)
+    reason = stream.finish_reason or "abort"
+    if reason == "abort":
+        return web.Response(status=499)  # the client is gone; nobody reads this
+    num_prompt = len(gen.prompt_token_ids)
+    body = _encoder(twin, gen).full_response(num_prompt, stream.num_generated_tokens, reason)
+    return web.Response(body=body, content_type="application/json")
+
+
+def _next_chunks(
+    twin: Twin, encoder: ChunkEncoder, stream: RequestStream, num_sent: int
+) -> tuple[bytes, int, bool]:
+    """(bytes to write, new num_sent, is_stalled) for the tokens ready now."""
+    num_ready = stream.num_generated_tokens
+    stall = twin.faults.faults.stall_after_tokens
+    if stall is not None and num_ready >= stall:
+        num_end = max(num_sent, stall)
+        return encoder.token_chunks(num_sent, num_end - num_sent, None), num_end, True
+    reason = stream.finish_reason
+    if reason is None:
+        return encoder.token_chunks(num_sent, num_ready - num_sent, None), num_ready, False
+    if num_ready == num_sent:
+        return encoder.finish_chunk(reason), num_ready, False
+    return encoder.token_chunks(num_sent, num_ready - num_sent, reason), num_ready, False
+
+
+async def _send_stream(
+    request: web.Request,
+    twin: Twin,
+    gen: GenerationRequest,
+    stream: RequestStream,
+    entry: _Watched,
+) -> web.StreamResponse:
+    response = web.StreamResponse(headers=_SSE_HEADERS)
+    await response.prepare(request)
+    encoder = _encoder(twin, gen)
+    num_sent = 0
+    with contextlib.suppress(ConnectionError):
+        if gen.kind == "chat":
+            await response.write(encoder.role_chunk())
+        while True:
+            await stream.wait_beyond(num_sent)
+            if stream.finish_reason == "abort":
+                return response
+            data, num_sent, is_stalled = _next_chunks(twin, encoder, stream, num_sent)
+            if is_stalled:
+                await response.write(data)
+                await entry.gone.wait()  # keep the connection open, send nothing more
+                return response
+            if stream.is_finished:
+                break
+            await response.write(data)
+        if gen.include_usage:
+            data += encoder.usage_chunk(len(gen.prompt_token_ids), stream.num_generated_tokens)
+        await response.write(data + DONE_EVENT)
+        await response.write_eof()
+    return response
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, parse_completion)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, parse_chat)
+
+
+async def models(request: web.Request) -> web.Response:
+    twin = request.app[TWIN_KEY]
+    card = {
+        "id": twin.model_name,
+        "object": "model",
+        "created": twin.created_s,
+        "owned_by": "kiloserve",
+        "root": twin.model_name,
+        "parent": None,
+        "max_model_len": twin.max_model_len,
+    }
+    return _json({"object": "list", "data": [card]})
+
+
+async def health(request: web.Request) -> web.Response:
+    twin = request.app[TWIN_KEY]
+    if twin.faults.faults.is_hang:
+        await asyncio.Event().wait()  # a hung engine's health check never answers
+    return web.Response(status=200)
+
+
+async def version(request: web.Request) -> web.Response:
+    return _json({"version": VLLM_VERSION, "kiloserve": __version__})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    twin = request.app[TWIN_KEY]
+    body = await _read_json(request)
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object")
+    _check_model(twin, body.get("model") if isinstance(body.get("model"), str) else None)
+    if "messages" in body:
+        ids = twin.tokenize(render_chat(body["messages"]))
+    elif isinstance(body.get("prompt"), str):
+        ids = twin.tokenize(str(body["prompt"]))
+    else:
+        raise RequestError("give 'prompt' (a string) or 'messages'", param="prompt")
+    return _json({"count": len(ids), "max_model_len": twin.max_model_len, "tokens": ids})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[TWIN_KEY].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
+
+
+async def get_faults(request: web.Request) -> web.Response:
+    return _json(request.app[TWIN_KEY].faults.faults.to_json())
+
+
+async def post_faults(request: web.Request) -> web.StreamResponse:
+    twin = request.app[TWIN_KEY]
+    faults = FaultSet.from_json(await _read_json(request))
+    if faults.is_crash:
+        logger.warning("crash fault requested: exiting with code 1")
+        response = _json({"crash": True})
+        await response.prepare(request)
+        await response.write_eof()
+        request.app[CRASH_KEY](1)
+        return response
+    twin.faults.replace(faults)
+    logger.info("faults now %s", faults.to_json())
+    return _json(faults.to_json())
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    twin = app[TWIN_KEY]
+    twin.loop.start()
+    watcher_task = asyncio.get_running_loop().create_task(app[WATCHER_KEY].run())
+    yield
+    watcher_task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await watcher_task
+    await twin.loop.stop()
+
+
+def create_app(
+    config: TwinConfig, *, timer: StepTimer | None = None, on_crash: CrashFn = os._exit
+) -> web.Application:
+    """The twin's aiohttp application; raises ``DoesNotFitError`` / ``ConfigError``.
+
+    ``timer`` replaces the roofline step-time model; ``on_crash`` is what the crash
+    fault calls (``os._exit``; tests pass a recorder).
+    """
+    twin = build_twin(config, timer)
+    app = web.Application(middlewares=[error_middleware], client_max_size=64 * 1024**2)
+    app[TWIN_KEY] = twin
+    app[WATCHER_KEY] = DisconnectWatcher(twin)
+    app[CRASH_KEY] = on_crash
+    app.cleanup_ctx.append(_lifecycle)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/version", version)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/admin/faults", get_faults)
+    app.router.add_post("/admin/faults", post_faults)
+    return app
+
+
+async def serve_twin(config: TwinConfig, stop: asyncio.Event | None = None) -> None:
+    """Serve until ``stop`` is set (or SIGINT / SIGTERM when ``stop`` is None)."""
+    app = create_app(config)
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S
+    )
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, config.host, config.port)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        twin = app[TWIN_KEY]
+        logger.info(
+            "engine twin %s (%s on %d x %s) listening on http://%s:%d",
+            twin.model_name,
+            config.model,
+            config.tp,
+            config.gpu,
+            host,
+            port,
+        )
+        if stop is None:
+            stop = asyncio.Event()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        await stop.wait()
+        logger.info("engine twin shutting down")
+    finally:
+        await runner.cleanup()
+
+
+def run_twin(config: TwinConfig) -> int:
+    """Run a twin in this process until SIGINT / SIGTERM; returns the exit code."""
+    asyncio.run(serve_twin(config))
+    return 0

@@ -1,0 +1,349 @@
+"""The engine twin's real-time loop: the engine model, stepped on the wall clock.
+
+One asyncio task per twin. While the engine core has work it repeats::
+
+    result = core.step()                                # schedule + model one step
+    deadline = step_start + result.duration_s * slowdown
+    sleep until deadline                                # absolute: errors don't add up
+    hand each request its new tokens                    # wakes the HTTP handlers
+
+``step_start`` is the previous step's deadline, so sleep jitter does not accumulate;
+if the loop falls more than ``MAX_CATCHUP_S`` behind (CPU-bound) it re-anchors on the
+clock instead of bursting to catch up. While behind it keeps stepping and yields to
+the HTTP handlers every ``YIELD_EVERY_S`` of CPU, so each handler then writes the
+tokens of several steps in one write. The lag is exported as
+``kiloserve_twin_loop_lag_seconds`` and logged as a WARNING when it stays high
+(``metrics.LagTracker``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kiloserve.catalog import get_gpu, get_model
+from kiloserve.engine.config import EngineConfig
+from kiloserve.engine.core import EngineCore, StepTimer
+from kiloserve.engine.faults import FaultInjector, FaultSet
+from kiloserve.engine.metrics import EngineStats, LagTracker, TwinMetrics
+from kiloserve.engine.protocol import TokenizeFn, load_tokenizer
+from kiloserve.engine.sequence import Sequence
+from kiloserve.plan.memory import plan_memory
+
+__all__ = [
+    "EngineCoreLike",
+    "RequestStream",
+    "Twin",
+    "TwinConfig",
+    "TwinLoop",
+    "build_twin",
+]
+
+logger = logging.getLogger(__name__)
+
+MAX_CATCHUP_S = 0.25
+YIELD_EVERY_S = 0.005
+IDLE_POLL_S = 0.05
+
+
+class StepResultLike(Protocol):
+    @property
+    def duration_s(self) -> float: ...
+    @property
+    def new_tokens(self) -> dict[str, int]: ...
+    @property
+    def finished(self) -> list[Sequence]: ...
+
+
+class EngineCoreLike(Protocol):
+    """What the twin needs of ``kiloserve.engine.core.EngineCore``."""
+
+    def add(self, seq: Sequence) -> None: ...
+    def has_unfinished(self) -> bool: ...
+    def step(self) -> StepResultLike: ...
+    def abort(self, seq_id: str) -> object: ...
+
+
+@dataclass(slots=True, eq=False)
+class RequestStream:
+    """One request's view of the engine: generated-token count and finish state."""
+
+    seq_id: str
+    num_prompt_tokens: int
+    arrival_s: float
+    is_notify_each_step: bool = True
+    num_generated_tokens: int = 0
+    finish_reason: str | None = None
+    last_token_s: float | None = None
+    _waiter: asyncio.Future[None] | None = field(default=None, repr=False)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    async def wait_beyond(self, num_seen_tokens: int) -> None:
+        """Return once more than ``num_seen_tokens`` exist or the request finished."""
+        if self.num_generated_tokens > num_seen_tokens or self.finish_reason is not None:
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiter = waiter
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+class TwinLoop:
+    """Runs an engine core in real time and feeds the requests' token streams."""
+
+    def __init__(
+        self,
+        core: EngineCoreLike,
+        metrics: TwinMetrics,
+        faults: FaultInjector,
+        *,
+        stats_fn: Callable[[], EngineStats],
+        block_size: int = 16,
+        api_overhead_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._core = core
+        self._metrics = metrics
+        self._faults = faults
+        self._stats_fn = stats_fn
+        self._block_size = block_size
+        self.api_overhead_s = api_overhead_s
+        self._clock = clock
+        self._streams: dict[str, RequestStream] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._lag = LagTracker(metrics)
+        self._num_requests = 0
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="twin-loop")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for stream in list(self._streams.values()):
+            self.abort(stream)
+
+    def stats(self) -> EngineStats:
+        return self._stats_fn()
+
+    @property
+    def num_active(self) -> int:
+        return len(self._streams)
+
+    async def submit(
+        self,
+        prompt_token_ids: list[int],
+        max_tokens: int,
+        stop_reason: str,
+        *,
+        is_notify_each_step: bool = True,
+    ) -> RequestStream:
+        """Queue a request (after the modelled API overhead) and return its stream."""
+        arrival_s = self._clock()
+        self._num_requests += 1
+        seq_id = f"seq-{self._num_requests}"
+        stream = RequestStream(seq_id, len(prompt_token_ids), arrival_s, is_notify_each_step)
+        self._streams[seq_id] = stream
+        if self.api_overhead_s > 0:
+            await asyncio.sleep(self.api_overhead_s)
+        if stream.is_finished:  # aborted while in the API layer
+            return stream
+        seq = Sequence(
+            seq_id,
+            prompt_token_ids,
+            max_tokens,
+            arrival_s=arrival_s,
+            stop_reason=stop_reason,
+            block_size=self._block_size,
+        )
+        self._core.add(seq)
+        self._wake.set()
+        return stream
+
+    def abort(self, stream: RequestStream) -> None:
+        """Abort an unfinished request (client gone): frees its KV blocks at once."""
+        if stream.is_finished:
+            return
+        if self._streams.pop(stream.seq_id, None) is not None:
+            with contextlib.suppress(KeyError):
+                self._core.abort(stream.seq_id)
+        now_s = self._clock()
+        stream.finish_reason = "abort"
+        self._metrics.on_finished("abort", now_s - stream.arrival_s)
+        stream._wake()
+
+    async def _run(self) -> None:
+        deadline_s: float | None = None
+        last_yield_s = self._clock()
+        while True:
+            if not self._core.has_unfinished():
+                deadline_s = None
+                self._lag.update(0.0, self._clock())
+                await self._wait_for_work(None)
+                last_yield_s = self._clock()
+                continue
+            now_s = self._clock()
+            is_on_time = deadline_s is not None and now_s - deadline_s < MAX_CATCHUP_S
+            start_s = deadline_s if is_on_time and deadline_s is not None else now_s
+            result = self._core.step()
+            if result.duration_s <= 0 and not result.new_tokens and not result.finished:
+                deadline_s = None
+                await self._wait_for_work(IDLE_POLL_S)  # nothing schedulable yet
+                continue
+            deadline_s = start_s + result.duration_s * self._faults.slowdown
+            delay_s = deadline_s - self._clock()
+            if delay_s > 0:
+                await asyncio.sleep(delay_s)
+                last_yield_s = self._clock()
+            elif self._clock() - last_yield_s >= YIELD_EVERY_S:
+                await asyncio.sleep(0)
+                last_yield_s = self._clock()
+            now_s = self._clock()
+            self._lag.update(max(0.0, now_s - deadline_s), now_s)
+            self._deliver(result, now_s)
+
+    async def _wait_for_work(self, timeout_s: float | None) -> None:
+        self._wake.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), timeout_s)
+
+    def _deliver(self, result: StepResultLike, now_s: float) -> None:
+        streams = self._streams
+        metrics = self._metrics
+        for seq_id, num_new in result.new_tokens.items():
+            stream = streams.get(seq_id)
+            if stream is None or num_new <= 0:
+                continue
+            if stream.last_token_s is None:
+                metrics.on_first_token(now_s - stream.arrival_s, stream.num_prompt_tokens)
+                metrics.on_tokens(num_new, None)
+            else:
+                metrics.on_tokens(num_new, now_s - stream.last_token_s)
+            stream.last_token_s = now_s
+            stream.num_generated_tokens += num_new
+            if stream.is_notify_each_step:
+                stream._wake()
+        for seq in result.finished:
+            stream = streams.pop(seq.seq_id, None)
+            if stream is None:
+                continue
+            reason = seq.finish_reason or seq.stop_reason
+            stream.finish_reason = reason
+            metrics.on_finished(reason, now_s - stream.arrival_s)
+            stream._wake()
+
+
+@dataclass(frozen=True, slots=True)
+class TwinConfig:
+    """Everything ``kiloserve engine`` takes; ``None`` means vLLM's default for the GPU."""
+
+    gpu: str
+    model: str
+    tp: int = 1
+    quant: str = "bf16"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.92
+    tokenizer_path: str | None = None
+    faults: FaultSet = field(default_factory=FaultSet)
+    seed: int = 0
+    api_overhead_s: float | None = None  # None: the step-time model's figure, if any
+
+
+@dataclass(slots=True, eq=False)
+class Twin:
+    """One assembled twin: engine loop, metrics, faults and request-facing facts."""
+
+    config: TwinConfig
+    model_name: str
+    max_model_len: int
+    tokenize: TokenizeFn
+    loop: TwinLoop
+    metrics: TwinMetrics
+    faults: FaultInjector
+    created_s: int
+
+
+def _engine_stats(core: EngineCore) -> Callable[[], EngineStats]:
+    def read() -> EngineStats:
+        return EngineStats(
+            num_running=core.num_running,
+            num_waiting=core.num_waiting,
+            kv_usage=core.kv_usage,
+            prefix_cache_queries_tokens=core.prefix_cache_queries_tokens,
+            prefix_cache_hits_tokens=core.prefix_cache_hits_tokens,
+            num_preemptions_total=core.num_preemptions_total,
+        )
+
+    return read
+
+
+def build_twin(config: TwinConfig, timer: StepTimer | None = None) -> Twin:
+    """Assemble a twin; raises ``CatalogError``, ``ConfigError`` or ``DoesNotFitError``.
+
+    ``timer`` replaces the roofline ``StepTimeModel`` (tests use fixed step times).
+    """
+    gpu, model = get_gpu(config.gpu), get_model(config.model)
+    ledger = plan_memory(
+        gpu,
+        model,
+        config.tp,
+        config.quant,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        max_model_len=config.max_model_len,
+    )
+    engine_config = EngineConfig(
+        num_blocks=ledger.num_kv_blocks,
+        max_num_seqs=config.max_num_seqs or gpu.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens or gpu.max_num_batched_tokens,
+        max_model_len=ledger.max_model_len,
+        block_size=ledger.block_size,
+    )
+    if timer is None:
+        from kiloserve.engine.timing import StepTimeModel
+
+        timer = StepTimeModel(gpu, model, config.tp, config.quant)
+    core = EngineCore(engine_config, timer)
+    name = config.served_model_name or model.name
+    faults = FaultInjector(config.faults, config.seed)
+    stats_fn = _engine_stats(core)
+    metrics = TwinMetrics(name, stats_fn)
+    overhead_s = config.api_overhead_s
+    if overhead_s is None:
+        overhead_s = float(getattr(timer, "per_request_api_overhead_s", 0.0))
+    loop = TwinLoop(
+        core,
+        metrics,
+        faults,
+        stats_fn=stats_fn,
+        block_size=ledger.block_size,
+        api_overhead_s=overhead_s,
+    )
+    tokenizer = load_tokenizer(config.tokenizer_path)
+    return Twin(
+        config, name, ledger.max_model_len, tokenizer, loop, metrics, faults, int(time.time())
+    )
