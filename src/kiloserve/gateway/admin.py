@@ -1,0 +1,95 @@
+"""Admin API under ``/admin/``: backend state, drain / undrain, effective config.
+
+Protected by a bearer token when ``admin_token`` (or ``KILOSERVE_ADMIN_TOKEN``) is set;
+without a token only loopback clients (127.0.0.0/8, ::1) may call it.
+
+* ``GET  /admin/backends``               live state and weights of every backend
+* ``POST /admin/backends/{name}/drain``   stop routing new requests to a backend
+* ``POST /admin/backends/{name}/undrain`` route to it again
+* ``GET  /admin/config``                  the effective config, secrets redacted
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import time
+from collections.abc import Awaitable, Callable
+
+import orjson
+from aiohttp import web
+
+from kiloserve.errors import NotFoundError
+from kiloserve.gateway.backends import BackendTable
+from kiloserve.gateway.config import GatewayConfig
+
+__all__ = ["add_admin_routes", "is_loopback"]
+
+_Handler = Callable[[web.Request], Awaitable[web.Response]]
+
+
+def is_loopback(remote: str | None) -> bool:
+    """True for 127.0.0.0/8 and ::1 (and IPv4-mapped loopback)."""
+    if not remote:
+        return False
+    try:
+        addr = ipaddress.ip_address(remote)
+    except ValueError:
+        return False
+    mapped = getattr(addr, "ipv4_mapped", None)
+    return bool(addr.is_loopback or (mapped is not None and mapped.is_loopback))
+
+
+def _error(status: int, message: str, err_type: str) -> web.Response:
+    body = {"error": {"message": message, "type": err_type, "param": None, "code": status}}
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
+
+
+def _guard(token: str | None, handler: _Handler) -> _Handler:
+    async def guarded(request: web.Request) -> web.Response:
+        if token is None:
+            if not is_loopback(request.remote):
+                return _error(403, "admin API is loopback-only without a token", "forbidden")
+        else:
+            given = request.headers.get("authorization", "")
+            expected = f"Bearer {token}"
+            if not hmac.compare_digest(given.encode(), expected.encode()):
+                return _error(401, "missing or wrong admin bearer token", "unauthorized")
+        return await handler(request)
+
+    return guarded
+
+
+def _json(data: object) -> web.Response:
+    return web.Response(body=orjson.dumps(data), content_type="application/json")
+
+
+def add_admin_routes(
+    app: web.Application, cfg: GatewayConfig, table: BackendTable, policy_name: str
+) -> None:
+    """Register the ``/admin/`` routes on ``app``."""
+    token = cfg.effective_admin_token()
+
+    async def backends(request: web.Request) -> web.Response:
+        return _json({"policy": policy_name, "backends": table.describe(time.monotonic())})
+
+    async def config(request: web.Request) -> web.Response:
+        return _json(cfg.redacted())
+
+    def drain_handler(draining: bool) -> _Handler:
+        async def handler(request: web.Request) -> web.Response:
+            name = request.match_info["name"]
+            try:
+                table.set_draining(name, draining)
+            except NotFoundError as exc:
+                return web.Response(
+                    body=orjson.dumps(exc.to_body()), status=404, content_type="application/json"
+                )
+            return _json({"name": name, "draining": draining})
+
+        return handler
+
+    app.router.add_get("/admin/backends", _guard(token, backends))
+    app.router.add_get("/admin/config", _guard(token, config))
+    app.router.add_post("/admin/backends/{name:.+}/drain", _guard(token, drain_handler(True)))
+    app.router.add_post("/admin/backends/{name:.+}/undrain", _guard(token, drain_handler(False)))

@@ -1,0 +1,266 @@
+"""The gateway application factory and its front-door handlers.
+
+``create_gateway_app(cfg)`` returns an aiohttp ``Application``; its startup hook opens
+one pooled upstream ``ClientSession`` and starts model discovery and the scrape loop,
+and its cleanup hook stops them. Run it with ``handler_cancellation=True`` (as
+``kiloserve gateway`` does) so a client that disconnects while waiting for a
+non-streaming answer also closes the upstream request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+import uuid
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from kiloserve.errors import ConfigError, NotFoundError, PayloadTooLargeError, RequestError
+from kiloserve.gateway.admin import add_admin_routes
+from kiloserve.gateway.backends import BackendTable
+from kiloserve.gateway.config import GatewayConfig
+from kiloserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from kiloserve.gateway.profile import Profiler
+from kiloserve.gateway.proxy import REQUEST_ID_HEADER, ProxyContext, forward
+from kiloserve.gateway.scrape import scrape_loop
+from kiloserve.policies.base import Decision, Policy, RequestInfo
+
+__all__ = ["CTX_KEY", "METRICS_KEY", "TABLE_KEY", "create_gateway_app", "create_policy_for"]
+
+logger = logging.getLogger(__name__)
+
+CTX_KEY = web.AppKey("kiloserve_gateway_ctx", ProxyContext)
+TABLE_KEY = web.AppKey("kiloserve_gateway_table", BackendTable)
+METRICS_KEY = web.AppKey("kiloserve_gateway_metrics", GatewayMetrics)
+_TASKS_KEY = web.AppKey("kiloserve_gateway_tasks", list)
+_MAX_REQUEST_ID_CHARS = 128
+
+
+def create_policy_for(cfg: GatewayConfig) -> Policy:
+    """The policy named in ``cfg.policy`` from the policy registry."""
+    try:
+        from kiloserve.policies.registry import create_policy
+    except ImportError as exc:
+        raise ConfigError("policy registry (kiloserve.policies.registry) is missing") from exc
+    policy: Policy = create_policy(cfg.policy.name, dict(cfg.policy.params))
+    return policy
+
+
+def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(
+        body=orjson.dumps(data), status=status, headers=headers, content_type="application/json"
+    )
+
+
+def _error(
+    exc: RequestError, request_id: str, headers: dict[str, str] | None = None
+) -> web.Response:
+    hdrs = {REQUEST_ID_HEADER: request_id, **(headers or {})}
+    return _json(exc.to_body(), status=exc.status, headers=hdrs)
+
+
+def _request_id(request: web.Request) -> str:
+    rid = request.headers.get(REQUEST_ID_HEADER)
+    if rid and len(rid) <= _MAX_REQUEST_ID_CHARS and rid.isprintable():
+        return rid
+    return uuid.uuid4().hex
+
+
+async def _read_body(request: web.Request, max_body_bytes: int) -> bytes:
+    length = request.content_length
+    if length is not None and length > max_body_bytes:
+        raise PayloadTooLargeError(f"request body over the {max_body_bytes}-byte limit")
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise PayloadTooLargeError(f"request body over the {max_body_bytes}-byte limit") from exc
+
+
+def _parse_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise RequestError(f"invalid JSON body: {exc}", code="invalid_json") from exc
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object", code="invalid_json")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise RequestError("you must provide a 'model' parameter", param="model")
+    return body
+
+
+def _check_model(model: str, table: BackendTable) -> None:
+    if not table.serves(model):
+        served = ", ".join(table.served_models()) or "(none yet)"
+        raise NotFoundError(
+            f"The model `{model}` does not exist. Served models: {served}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _decide(ctx: ProxyContext, info: RequestInfo) -> tuple[str, ...]:
+    """The policy's ranked backends, restricted to the model's routable pool."""
+    decision: Decision = ctx.policy.choose(info, ctx.table.snapshot(time.monotonic()), ctx.rng)
+    states = ctx.table
+    ranked = tuple(
+        b for b in decision.ranked if b in states.pool_ids(info.model) and states.is_routable(b)
+    )
+    if ranked:
+        ctx.metrics.decision(decision.policy, ranked[0])
+    return ranked
+
+
+def _no_backend(model: str, request_id: str) -> web.Response:
+    exc = RequestError(f"no healthy backend for model `{model}`; retry later", code="no_backend")
+    exc.status = 503
+    exc.err_type = "service_unavailable"
+    return _error(exc, request_id, {"Retry-After": "1"})
+
+
+async def _proxy(request: web.Request, path: str) -> web.StreamResponse:
+    ctx = request.app[CTX_KEY]
+    rid = _request_id(request)
+    try:
+        raw = await _read_body(request, ctx.cfg.max_body_bytes)
+        body = _parse_body(raw)
+        _check_model(body["model"], ctx.table)
+        info = ctx.profiler.profile(rid, body, request.headers)
+    except RequestError as exc:
+        ctx.metrics.request_done("", "", exc.status)
+        return _error(exc, rid)
+    ranked = _decide(ctx, info)
+    if not ranked:
+        ctx.metrics.request_done(info.model, "", 503)
+        return _no_backend(info.model, rid)
+    decision = Decision(ranked=ranked, policy=ctx.policy.name)
+    return await forward(ctx, request, path, body, raw, info, decision)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _proxy(request, "/v1/completions")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _proxy(request, "/v1/chat/completions")
+
+
+async def list_models(request: web.Request) -> web.Response:
+    models = request.app[TABLE_KEY].served_models()
+    data = [{"id": m, "object": "model", "created": 0, "owned_by": "kiloserve"} for m in models]
+    return _json({"object": "list", "data": data})
+
+
+async def health(request: web.Request) -> web.Response:
+    return _json({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    is_ready = request.app[TABLE_KEY].is_ready()
+    return _json({"ready": is_ready}, status=200 if is_ready else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[METRICS_KEY].render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+async def _discover_once(
+    session: aiohttp.ClientSession, table: BackendTable, timeout_s: float
+) -> None:
+    async def one(backend_id: str) -> None:
+        url = table.url_of(backend_id) + "/v1/models"
+        try:
+            async with asyncio.timeout(timeout_s), session.get(url) as resp:
+                data = await resp.json(loads=orjson.loads, content_type=None)
+            models = [m["id"] for m in data["data"] if isinstance(m.get("id"), str)]
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError, KeyError, TypeError) as exc:
+            logger.info("model discovery for backend %s failed: %s", backend_id, type(exc).__name__)
+            return
+        table.set_models(backend_id, models)
+
+    ids = [b for b in table.backend_ids() if table.record(b).needs_discovery]
+    await asyncio.gather(*(one(b) for b in ids))
+
+
+async def _discovery_loop(
+    session: aiohttp.ClientSession, table: BackendTable, cfg: GatewayConfig
+) -> None:
+    while True:
+        await _discover_once(session, table, max(cfg.scrape_timeout_s, cfg.connect_timeout_s))
+        pending = any(not table.record(b).is_discovered for b in table.backend_ids())
+        await asyncio.sleep(
+            min(0.5, cfg.discovery_interval_s) if pending else cfg.discovery_interval_s
+        )
+
+
+def _needs_discovery(table: BackendTable) -> bool:
+    return any(table.record(b).needs_discovery for b in table.backend_ids())
+
+
+async def _on_startup(app: web.Application) -> None:
+    ctx = app[CTX_KEY]
+    cfg = ctx.cfg
+    connector = aiohttp.TCPConnector(limit=cfg.max_connections, limit_per_host=0)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s)
+    ctx.session = aiohttp.ClientSession(
+        connector=connector,
+        timeout=timeout,
+        auto_decompress=False,
+        skip_auto_headers=("User-Agent",),
+    )
+    tasks = app[_TASKS_KEY]
+    if _needs_discovery(ctx.table):
+        await _discover_once(ctx.session, ctx.table, cfg.connect_timeout_s)
+        tasks.append(asyncio.create_task(_discovery_loop(ctx.session, ctx.table, cfg)))
+    loop = scrape_loop(ctx.session, ctx.table, cfg.scrape_interval_s, cfg.scrape_timeout_s)
+    tasks.append(asyncio.create_task(loop))
+    logger.info("gateway policy=%s backends=%d", ctx.policy.name, len(ctx.table.backend_ids()))
+
+
+async def _on_cleanup(app: web.Application) -> None:
+    tasks = app[_TASKS_KEY]
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    tasks.clear()
+    await app[CTX_KEY].session.close()
+
+
+def create_gateway_app(cfg: GatewayConfig, *, policy: Policy | None = None) -> web.Application:
+    """Build the gateway app; ``policy`` overrides ``cfg.policy`` (tests, embedding)."""
+    table = BackendTable(cfg)
+    gw_metrics = GatewayMetrics(table)
+    chosen = policy if policy is not None else create_policy_for(cfg)
+    ctx = ProxyContext(
+        cfg=cfg,
+        session=None,  # type: ignore[arg-type]  # opened in _on_startup (needs the loop)
+        table=table,
+        metrics=gw_metrics,
+        policy=chosen,
+        profiler=Profiler(cfg),
+        rng=random.Random(cfg.seed),
+    )
+    app = web.Application(client_max_size=cfg.max_body_bytes)
+    app[CTX_KEY] = ctx
+    app[TABLE_KEY] = table
+    app[METRICS_KEY] = gw_metrics
+    app[_TASKS_KEY] = []
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)
+    add_admin_routes(app, cfg, table, chosen.name)
+    app.on_startup.append(_on_startup)
+    app.on_cleanup.append(_on_cleanup)
+    return app

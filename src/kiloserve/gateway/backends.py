@@ -1,0 +1,272 @@
+"""The live backend table: one ``BackendState`` per backend, and snapshots of it.
+
+Everything the gateway knows about a backend lives here and only here: static fields
+from config, models (configured or discovered), scraped engine metrics, live counters
+updated at dispatch / first token / completion, EWMAs of TTFT and TPOT, and health.
+
+Health rule (basic; a later issue adds active probes and outlier ejection here): a
+backend whose scrapes fail ``max_scrape_failures`` times in a row (connect error,
+timeout, 5xx) is unhealthy; one successful scrape makes it healthy again. A backend
+with no ``/metrics`` page (4xx) counts as reachable with unknown load. Scraped values
+older than ``stale_after_s`` are cleared to ``None`` (unknown) and ``scrape_stale`` is
+set, so policies never read a stale backend as idle.
+
+Snapshots share the live ``BackendState`` objects (no copy per request): policies
+choose synchronously, so nothing changes during one decision, and they must not
+mutate what they see.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kiloserve.errors import NotFoundError
+from kiloserve.gateway.config import BackendConfig, GatewayConfig
+from kiloserve.policies.base import BackendState, ClusterSnapshot, Outcome, RequestInfo
+
+if TYPE_CHECKING:
+    from kiloserve.gateway.scrape import EngineMetrics
+
+__all__ = ["EWMA_ALPHA", "BackendRecord", "BackendTable"]
+
+logger = logging.getLogger(__name__)
+
+EWMA_ALPHA = 0.2
+
+
+def _ewma(old: float | None, sample: float) -> float:
+    return sample if old is None else old + EWMA_ALPHA * (sample - old)
+
+
+@dataclass(slots=True)
+class BackendRecord:
+    """A backend's live state plus the bookkeeping the table needs about it."""
+
+    config: BackendConfig
+    state: BackendState
+    engine: str | None = None
+    last_scrape_ok_s: float | None = None
+    num_scrape_failures: int = 0
+    num_scrape_errors_total: int = 0
+    last_scrape_error: str = ""
+
+    @property
+    def is_discovered(self) -> bool:
+        return bool(self.state.models)
+
+    @property
+    def needs_discovery(self) -> bool:
+        return not self.config.models
+
+
+def _new_state(cfg: BackendConfig) -> BackendState:
+    return BackendState(
+        backend_id=cfg.backend_id,
+        url=cfg.url.rstrip("/"),
+        models=frozenset(cfg.models),
+        gpu=cfg.gpu,
+        group=cfg.group,
+        version=cfg.version,
+        cost_per_hour=cfg.cost_per_hour,
+        weight=cfg.weight,
+        effective_weight=cfg.weight,
+        scrape_stale=True,
+    )
+
+
+class BackendTable:
+    """Live state of every configured backend, keyed by backend id."""
+
+    def __init__(self, cfg: GatewayConfig) -> None:
+        self._stale_after_s = cfg.stale_after_s
+        self._max_scrape_failures = cfg.max_scrape_failures
+        self._records: dict[str, BackendRecord] = {
+            b.backend_id: BackendRecord(config=b, state=_new_state(b)) for b in cfg.backends
+        }
+        self._states: tuple[BackendState, ...] = tuple(r.state for r in self._records.values())
+        self._pools: dict[str, tuple[BackendState, ...]] = {}
+        self._pool_ids: dict[str, frozenset[str]] = {}
+        self._rebuild_pools()
+
+    # -- lookup --------------------------------------------------------------------
+    def backend_ids(self) -> list[str]:
+        return list(self._records)
+
+    def record(self, backend_id: str) -> BackendRecord:
+        rec = self._records.get(backend_id)
+        if rec is None:
+            raise NotFoundError(f"unknown backend '{backend_id}'", code="backend_not_found")
+        return rec
+
+    def state(self, backend_id: str) -> BackendState:
+        return self.record(backend_id).state
+
+    def url_of(self, backend_id: str) -> str:
+        return self.record(backend_id).state.url
+
+    def served_models(self) -> list[str]:
+        return sorted(self._pools)
+
+    def serves(self, model: str) -> bool:
+        return model in self._pools
+
+    def pool_ids(self, model: str) -> frozenset[str]:
+        return self._pool_ids.get(model, frozenset())
+
+    def is_routable(self, backend_id: str) -> bool:
+        rec = self._records.get(backend_id)
+        return rec is not None and rec.state.is_routable
+
+    def snapshot(self, now_s: float) -> ClusterSnapshot:
+        """A view for one decision (live states; pools precomputed)."""
+        return ClusterSnapshot(now_s=now_s, backends=self._states, _by_model=dict(self._pools))
+
+    def is_ready(self) -> bool:
+        """True when at least one backend with known models is routable and reachable."""
+        return any(
+            r.state.is_routable and r.is_discovered and r.last_scrape_ok_s is not None
+            for r in self._records.values()
+        )
+
+    # -- models --------------------------------------------------------------------
+    def set_models(self, backend_id: str, models: Iterable[str]) -> None:
+        state = self.state(backend_id)
+        new = frozenset(models)
+        if new != state.models:
+            logger.info("backend %s serves models %s", backend_id, sorted(new))
+            state.models = new
+            self._rebuild_pools()
+
+    def _rebuild_pools(self) -> None:
+        pools: dict[str, list[BackendState]] = {}
+        for s in self._states:
+            for m in s.models:
+                pools.setdefault(m, []).append(s)
+        self._pools = {m: tuple(v) for m, v in pools.items()}
+        self._pool_ids = {m: frozenset(s.backend_id for s in v) for m, v in pools.items()}
+
+    # -- live counters (hot path) --------------------------------------------------
+    def on_dispatch(self, backend_id: str, info: RequestInfo) -> None:
+        s = self._records[backend_id].state
+        s.in_flight += 1
+        s.outstanding_prefill_tokens += info.input_tokens
+        s.outstanding_decode_tokens += info.predicted_output_tokens
+
+    def on_first_token(self, backend_id: str, info: RequestInfo, ttft_ms: float) -> None:
+        s = self._records[backend_id].state
+        s.outstanding_prefill_tokens = max(0, s.outstanding_prefill_tokens - info.input_tokens)
+        s.ewma_ttft_ms = _ewma(s.ewma_ttft_ms, ttft_ms)
+
+    def on_complete(
+        self, backend_id: str, info: RequestInfo, outcome: Outcome, *, had_first_token: bool
+    ) -> None:
+        s = self._records[backend_id].state
+        s.in_flight = max(0, s.in_flight - 1)
+        if not had_first_token:
+            s.outstanding_prefill_tokens = max(0, s.outstanding_prefill_tokens - info.input_tokens)
+        s.outstanding_decode_tokens = max(
+            0, s.outstanding_decode_tokens - info.predicted_output_tokens
+        )
+        if outcome.tpot_ms is not None:
+            s.ewma_tpot_ms = _ewma(s.ewma_tpot_ms, outcome.tpot_ms)
+        s.consecutive_errors = 0 if outcome.ok else s.consecutive_errors + 1
+
+    # -- scrapes and health --------------------------------------------------------
+    def record_scrape(self, backend_id: str, metrics: EngineMetrics, now_s: float) -> None:
+        rec = self.record(backend_id)
+        s = rec.state
+        s.num_running = metrics.num_running
+        s.num_waiting = metrics.num_waiting
+        s.kv_usage = metrics.kv_usage
+        s.prefix_hit_rate = metrics.prefix_hit_rate
+        s.pcie_util = metrics.pcie_util
+        s.scrape_stale = False
+        rec.engine = metrics.engine or rec.engine
+        rec.last_scrape_ok_s = now_s
+        self._scrape_succeeded(rec)
+
+    def record_scrape_unavailable(self, backend_id: str, now_s: float) -> None:
+        """The backend answered but has no metrics page: reachable, load unknown."""
+        rec = self.record(backend_id)
+        rec.last_scrape_ok_s = now_s
+        self._clear_scraped(rec.state)
+        self._scrape_succeeded(rec)
+
+    def record_scrape_failure(self, backend_id: str, now_s: float, reason: str) -> None:
+        rec = self.record(backend_id)
+        rec.num_scrape_failures += 1
+        rec.num_scrape_errors_total += 1
+        rec.last_scrape_error = reason
+        if rec.state.healthy and rec.num_scrape_failures >= self._max_scrape_failures:
+            rec.state.healthy = False
+            logger.warning(
+                "backend %s unhealthy after %d failed scrapes (%s)",
+                backend_id,
+                rec.num_scrape_failures,
+                reason,
+            )
+
+    def _scrape_succeeded(self, rec: BackendRecord) -> None:
+        rec.num_scrape_failures = 0
+        if not rec.state.healthy:
+            rec.state.healthy = True
+            logger.info("backend %s healthy again", rec.state.backend_id)
+
+    def refresh_staleness(self, now_s: float) -> None:
+        for rec in self._records.values():
+            last = rec.last_scrape_ok_s
+            if last is None or now_s - last > self._stale_after_s:
+                self._clear_scraped(rec.state)
+
+    @staticmethod
+    def _clear_scraped(s: BackendState) -> None:
+        s.num_running = s.num_waiting = None
+        s.kv_usage = s.prefix_hit_rate = s.pcie_util = None
+        s.scrape_stale = True
+
+    # -- admin ---------------------------------------------------------------------
+    def set_draining(self, backend_id: str, draining: bool) -> None:
+        self.state(backend_id).draining = draining
+        logger.info("backend %s %s", backend_id, "draining" if draining else "undrained")
+
+    def describe(self, now_s: float) -> list[dict[str, Any]]:
+        """Live state of every backend, JSON-ready (for ``GET /admin/backends``)."""
+        return [self._describe_one(r, now_s) for r in self._records.values()]
+
+    @staticmethod
+    def _describe_one(rec: BackendRecord, now_s: float) -> dict[str, Any]:
+        s = rec.state
+        age = None if rec.last_scrape_ok_s is None else round(now_s - rec.last_scrape_ok_s, 3)
+        return {
+            "name": s.backend_id,
+            "url": s.url,
+            "models": sorted(s.models),
+            "engine": rec.engine or rec.config.engine,
+            "gpu": s.gpu,
+            "group": s.group,
+            "version": s.version,
+            "cost_per_hour": s.cost_per_hour,
+            "weight": s.weight,
+            "effective_weight": s.effective_weight,
+            "healthy": s.healthy,
+            "draining": s.draining,
+            "routable": s.is_routable,
+            "num_running": s.num_running,
+            "num_waiting": s.num_waiting,
+            "kv_usage": s.kv_usage,
+            "prefix_hit_rate": s.prefix_hit_rate,
+            "pcie_util": s.pcie_util,
+            "scrape_stale": s.scrape_stale,
+            "scrape_age_s": age,
+            "num_scrape_errors_total": rec.num_scrape_errors_total,
+            "last_scrape_error": rec.last_scrape_error,
+            "in_flight": s.in_flight,
+            "outstanding_prefill_tokens": s.outstanding_prefill_tokens,
+            "outstanding_decode_tokens": s.outstanding_decode_tokens,
+            "ewma_ttft_ms": s.ewma_ttft_ms,
+            "ewma_tpot_ms": s.ewma_tpot_ms,
+            "consecutive_errors": s.consecutive_errors,
+        }

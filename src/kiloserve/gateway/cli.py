@@ -1,0 +1,93 @@
+"""``kiloserve gateway [-c FILE] [--backend URL ...] [--policy NAME] [--host H] [--port P]``.
+
+``--backend`` (repeatable) adds a backend whose models are discovered from its
+``/v1/models``, so a quick start needs no YAML. ``--port 0`` picks a free port; the
+URL actually bound is logged and printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+
+from aiohttp import web
+
+from kiloserve.gateway.app import create_gateway_app
+from kiloserve.gateway.config import (
+    BackendConfig,
+    GatewayConfig,
+    PolicyConfig,
+    load_gateway_config,
+    parse_gateway_config,
+)
+
+__all__ = ["add_arguments", "build_config", "run", "serve"]
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-c", "--config", help="gateway YAML file (see docs/gateway.md)")
+    parser.add_argument(
+        "--backend",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="backend base URL (repeatable); models come from its /v1/models",
+    )
+    parser.add_argument("--policy", help="routing policy registry name (default: 'default')")
+    parser.add_argument("--host", help="bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="bind port (default 8000; 0 picks one)")
+
+
+def build_config(args: argparse.Namespace) -> GatewayConfig:
+    """The config file (if any) with the command-line flags applied on top."""
+    cfg = load_gateway_config(args.config) if args.config else parse_gateway_config({})
+    updates: dict[str, object] = {}
+    if args.backend:
+        extra = [BackendConfig(url=url) for url in args.backend]
+        updates["backends"] = [*cfg.backends, *extra]
+    if args.policy:
+        updates["policy"] = PolicyConfig(name=args.policy)
+    if args.host:
+        updates["host"] = args.host
+    if args.port is not None:
+        updates["port"] = args.port
+    merged = cfg.model_copy(update=updates)
+    # validate the merged result (duplicate backends, port range)
+    return parse_gateway_config(merged.model_dump(), source="gateway flags")
+
+
+def _bound_port(site: web.TCPSite, fallback: int) -> int:
+    server = site._server
+    sockets = getattr(server, "sockets", None) or []
+    return int(sockets[0].getsockname()[1]) if sockets else fallback
+
+
+async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None) -> None:
+    """Serve until ``stop`` is set (or SIGINT / SIGTERM)."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    runner = web.AppRunner(create_gateway_app(cfg), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, cfg.host, cfg.port)
+        await site.start()
+        url = f"http://{cfg.host}:{_bound_port(site, cfg.port)}"
+        logger.info("kiloserve gateway listening on %s", url)
+        print(f"kiloserve gateway listening on {url}", flush=True)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = build_config(args)
+    asyncio.run(serve(cfg))
+    return 0

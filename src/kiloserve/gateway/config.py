@@ -1,0 +1,163 @@
+"""Gateway configuration: pydantic models loaded once from YAML.
+
+The schema is a contract (``kiloserve up`` writes it); every key is documented in
+docs/gateway.md. A typo is a ``ConfigError`` naming the bad key and the valid ones.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from kiloserve.errors import ConfigError
+
+__all__ = [
+    "ADMIN_TOKEN_ENV",
+    "BackendConfig",
+    "GatewayConfig",
+    "ModelConfig",
+    "PolicyConfig",
+    "load_gateway_config",
+    "parse_gateway_config",
+]
+
+ADMIN_TOKEN_ENV = "KILOSERVE_ADMIN_TOKEN"
+EngineKind = Literal["vllm", "sglang", "llamacpp", "tgi", "auto"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PolicyConfig(_Strict):
+    """Which routing policy (a registry name) and its parameters."""
+
+    name: str = "default"
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class ModelConfig(_Strict):
+    """Per-model settings: an optional HuggingFace ``tokenizer.json`` path."""
+
+    tokenizer: str | None = None
+
+
+class BackendConfig(_Strict):
+    """One engine instance. ``models`` empty means: discover from ``/v1/models``."""
+
+    url: str
+    name: str | None = None
+    models: list[str] = Field(default_factory=list)
+    gpu: str = ""
+    group: str = ""
+    version: str = ""
+    cost_per_hour: float = Field(default=0.0, ge=0.0)
+    weight: float = Field(default=1.0, ge=0.0)
+    engine: EngineKind = "auto"
+
+    @property
+    def backend_id(self) -> str:
+        """The configured name, else the URL (also the ``x-kiloserve-backend`` value)."""
+        return self.name or self.url.rstrip("/")
+
+
+class GatewayConfig(_Strict):
+    """The whole gateway configuration (see docs/gateway.md for every key)."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    scrape_interval_s: float = Field(default=0.2, gt=0.0)
+    scrape_timeout_s: float = Field(default=0.5, gt=0.0)
+    stale_after_s: float = Field(default=1.0, gt=0.0)
+    max_scrape_failures: int = Field(default=3, ge=1)
+    discovery_interval_s: float = Field(default=5.0, gt=0.0)
+    retries: int = Field(default=2, ge=0)
+    connect_timeout_s: float = Field(default=2.0, gt=0.0)
+    first_byte_timeout_s: float = Field(default=60.0, gt=0.0)
+    request_timeout_s: float = Field(default=600.0, gt=0.0)
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
+    max_connections: int = Field(default=1000, ge=1)
+    admin_token: str | None = None
+    block_size: int = Field(default=16, ge=1)
+    max_prefix_tokens: int = Field(default=2048, ge=0)
+    default_output_tokens: int = Field(default=256, ge=1)
+    seed: int | None = None
+    models: dict[str, ModelConfig] = Field(default_factory=dict)
+    backends: list[BackendConfig] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _unique_backend_ids(self) -> GatewayConfig:
+        ids = [b.backend_id for b in self.backends]
+        dupes = sorted({i for i in ids if ids.count(i) > 1})
+        if dupes:
+            raise ValueError(f"duplicate backend names/urls: {dupes}")
+        return self
+
+    def effective_admin_token(self) -> str | None:
+        """``admin_token`` from the file, else the ``KILOSERVE_ADMIN_TOKEN`` env var."""
+        return self.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
+
+    def redacted(self) -> dict[str, Any]:
+        """The effective config as a dict with secrets replaced by ``"***"``."""
+        data = self.model_dump(mode="json")
+        data["admin_token"] = "***" if self.effective_admin_token() else None
+        return data
+
+
+def _valid_keys(model: type[BaseModel]) -> list[str]:
+    return sorted(model.model_fields)
+
+
+def _model_at(loc: tuple[int | str, ...]) -> type[BaseModel]:
+    """The pydantic model that owns the key at ``loc`` (for 'valid keys' hints)."""
+    if "backends" in loc[:1]:
+        return BackendConfig
+    if loc[:1] == ("policy",):
+        return PolicyConfig
+    if loc[:1] == ("models",):
+        return ModelConfig
+    return GatewayConfig
+
+
+def _explain(exc: ValidationError, source: str) -> ConfigError:
+    lines = []
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        where = ".".join(str(p) for p in loc) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            valid = ", ".join(_valid_keys(_model_at(loc)))
+            lines.append(f"unknown key '{where}' (valid keys: {valid})")
+        else:
+            lines.append(f"'{where}': {err['msg']}")
+    return ConfigError(f"{source}: " + "; ".join(lines))
+
+
+def parse_gateway_config(data: Any, source: str = "gateway config") -> GatewayConfig:
+    """Validate a mapping (e.g. parsed YAML) into a ``GatewayConfig``."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: top level must be a mapping, got {type(data).__name__}")
+    try:
+        return GatewayConfig.model_validate(data)
+    except ValidationError as exc:
+        raise _explain(exc, source) from exc
+
+
+def load_gateway_config(path: str | Path) -> GatewayConfig:
+    """Load and validate a gateway YAML file; errors name the bad key and valid ones."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read gateway config {p}: {exc}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: invalid YAML: {exc}") from exc
+    return parse_gateway_config(data, source=str(p))

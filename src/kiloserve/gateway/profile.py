@@ -1,0 +1,182 @@
+"""Request profiling (S1.1): build the ``RequestInfo`` a policy sees, in well under 5 ms.
+
+* input tokens: a real ``tokenizers`` tokenizer when ``models.<name>.tokenizer`` is
+  configured, else ``kiloserve.tokens.count_tokens`` on the prompt (completions) or on
+  the message contents joined by newlines (chat). Token-id prompts count exactly.
+* predicted output tokens: ``max_tokens`` / ``max_completion_tokens`` when given, else
+  an EWMA of actual output tokens per (user, model), else ``default_output_tokens``.
+* session key: the ``x-session-id`` header, else the body's ``user``, else the ``sub``
+  claim of a JWT bearer token. The JWT is only base64-decoded, NOT verified: the key is
+  a routing hint (affinity), never an identity used for access control.
+* prefix hashes: ``kiloserve.tokens.block_hashes`` over the first ``max_prefix_tokens``
+  tokens (chained, so a capped prefix still identifies the shared prefix).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import orjson
+
+from kiloserve.errors import ConfigError, RequestError
+from kiloserve.gateway.config import GatewayConfig
+from kiloserve.policies.base import RequestInfo
+from kiloserve.tokens import block_hashes, count_tokens, tokenize
+
+__all__ = ["OutputPredictor", "Profiler", "jwt_subject", "prompt_text"]
+
+MAX_PIECE_CHARS = 5  # one optional leading space + 4 characters (see kiloserve.tokens)
+
+
+class _Encoder(Protocol):
+    def __call__(self, text: str) -> list[int]: ...
+
+
+class OutputPredictor:
+    """EWMA of actual output tokens per (user, model), bounded in size (LRU)."""
+
+    def __init__(self, default_tokens: int, alpha: float = 0.2, max_num_keys: int = 100_000):
+        self._default = default_tokens
+        self._alpha = alpha
+        self._max_num_keys = max_num_keys
+        self._ewma: OrderedDict[tuple[str, str], float] = OrderedDict()
+
+    def predict(self, user: str | None, model: str) -> int:
+        value = self._ewma.get((user or "", model))
+        return self._default if value is None else max(1, round(value))
+
+    def observe(self, user: str | None, model: str, output_tokens: int) -> None:
+        key = (user or "", model)
+        old = self._ewma.pop(key, None)
+        new = float(output_tokens) if old is None else old + self._alpha * (output_tokens - old)
+        self._ewma[key] = new
+        if len(self._ewma) > self._max_num_keys:
+            self._ewma.popitem(last=False)
+
+
+def _b64url(segment: str) -> bytes:
+    return base64.urlsafe_b64decode(segment + "=" * (-len(segment) % 4))
+
+
+def jwt_subject(authorization: str | None) -> str | None:
+    """The ``sub`` claim of a ``Bearer <jwt>`` header, decoded without verification."""
+    if not authorization or not authorization.startswith("Bearer "):
+        return None
+    parts = authorization[7:].strip().split(".")
+    if len(parts) != 3:
+        return None
+    try:
+        claims = orjson.loads(_b64url(parts[1]))
+    except (binascii.Error, ValueError):
+        return None
+    sub = claims.get("sub") if isinstance(claims, dict) else None
+    return str(sub) if isinstance(sub, str | int) and sub != "" else None
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = [p.get("text", "") for p in content if isinstance(p, dict)]
+        return "".join(t for t in texts if isinstance(t, str))
+    return ""
+
+
+def prompt_text(body: Mapping[str, Any]) -> str | list[int]:
+    """The prompt as text (or token ids) from a completions or chat body."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        return "\n".join(_content_text(m.get("content")) for m in messages if isinstance(m, dict))
+    prompt = body.get("prompt", "")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        if isinstance(prompt[0], str):
+            return "\n".join(p for p in prompt if isinstance(p, str))
+        if isinstance(prompt[0], list):
+            return [t for p in prompt if isinstance(p, list) for t in p if isinstance(t, int)]
+    return ""
+
+
+def _max_tokens(body: Mapping[str, Any]) -> int | None:
+    value = body.get("max_completion_tokens", body.get("max_tokens"))
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise RequestError("'max_tokens' must be a non-negative integer", param="max_tokens")
+    return value
+
+
+def _load_encoder(path: str) -> _Encoder:
+    try:
+        from tokenizers import Tokenizer
+    except ImportError as exc:  # pragma: no cover - tokenizers is a dev dependency
+        raise ConfigError("models.*.tokenizer needs the 'tokenizers' package") from exc
+    try:
+        tok = Tokenizer.from_file(path)
+    except Exception as exc:
+        raise ConfigError(f"models.*.tokenizer: cannot load {path}: {exc}") from exc
+
+    def encode(text: str) -> list[int]:
+        return list(tok.encode(text, add_special_tokens=False).ids)
+
+    return encode
+
+
+class Profiler:
+    """Builds ``RequestInfo`` from a parsed body and headers."""
+
+    def __init__(self, cfg: GatewayConfig) -> None:
+        self._block_size = cfg.block_size
+        self._max_prefix_tokens = cfg.max_prefix_tokens
+        self.outputs = OutputPredictor(cfg.default_output_tokens)
+        self._encoders: dict[str, _Encoder] = {
+            name: _load_encoder(m.tokenizer) for name, m in cfg.models.items() if m.tokenizer
+        }
+
+    def _tokens(self, model: str, prompt: str | list[int]) -> tuple[int, tuple[int, ...]]:
+        """(input token count, prefix block hashes)."""
+        if isinstance(prompt, list):
+            ids = prompt
+            return len(ids), tuple(block_hashes(ids[: self._max_prefix_tokens], self._block_size))
+        encoder = self._encoders.get(model)
+        if encoder is not None:
+            ids = encoder(prompt)
+            head = ids[: self._max_prefix_tokens]
+            return len(ids), tuple(block_hashes(head, self._block_size))
+        return count_tokens(prompt), self._approx_prefix_hashes(prompt)
+
+    def _approx_prefix_hashes(self, text: str) -> tuple[int, ...]:
+        max_chars = self._max_prefix_tokens * MAX_PIECE_CHARS
+        # past max_chars the last piece may be cut: drop it, the rest is exact
+        ids = tokenize(text) if len(text) <= max_chars else tokenize(text[:max_chars])[:-1]
+        return tuple(block_hashes(ids[: self._max_prefix_tokens], self._block_size))
+
+    def profile(
+        self, request_id: str, body: Mapping[str, Any], headers: Mapping[str, str]
+    ) -> RequestInfo:
+        model = body["model"]
+        user = body.get("user")
+        user_key = user if isinstance(user, str) and user else None
+        max_tokens = _max_tokens(body)
+        input_tokens, hashes = self._tokens(model, prompt_text(body))
+        predicted = max_tokens if max_tokens is not None else self.outputs.predict(user_key, model)
+        session = headers.get("x-session-id") or user_key
+        if session is None:
+            session = jwt_subject(headers.get("authorization"))
+        return RequestInfo(
+            request_id=request_id,
+            model=model,
+            input_tokens=input_tokens,
+            predicted_output_tokens=predicted,
+            max_tokens=max_tokens,
+            session_key=session,
+            prefix_hashes=hashes,
+            tenant=user_key,
+        )

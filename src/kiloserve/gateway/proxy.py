@@ -1,0 +1,356 @@
+"""Proxying one request: dispatch, retries before the first byte, stream relay, accounting.
+
+Retry rule: a connect error, a 5xx, a 429 or a first-byte timeout moves the request to
+the next backend of the decision's ranked list (at most ``retries`` times, within the
+request's deadline). Once a byte has been written to the client there is no retry.
+A backend's 4xx (other than 429) is passed through unchanged. When the client goes away
+the upstream response is closed, so the engine aborts the request and frees its KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from kiloserve.gateway.backends import BackendTable
+from kiloserve.gateway.config import GatewayConfig
+from kiloserve.gateway.metrics import GatewayMetrics
+from kiloserve.gateway.profile import Profiler
+from kiloserve.gateway.sse import SseRelay
+from kiloserve.policies.base import Decision, Outcome, Policy, RequestInfo
+
+__all__ = ["BACKEND_HEADER", "REQUEST_ID_HEADER", "ProxyContext", "forward"]
+
+logger = logging.getLogger(__name__)
+
+BACKEND_HEADER = "x-kiloserve-backend"
+REQUEST_ID_HEADER = "x-request-id"
+_FORWARD_HEADERS = ("authorization", "accept")
+_CLIENT_GONE = 499
+
+
+@dataclass(slots=True)
+class ProxyContext:
+    """Per-app objects the proxy needs (no module globals)."""
+
+    cfg: GatewayConfig
+    session: aiohttp.ClientSession
+    table: BackendTable
+    metrics: GatewayMetrics
+    policy: Policy
+    profiler: Profiler
+    rng: random.Random
+
+
+@dataclass(slots=True)
+class _Call:
+    """One client request in flight through the proxy."""
+
+    request: web.Request
+    path: str
+    payload: bytes
+    info: RequestInfo
+    user: str | None
+    is_stream: bool
+    strip_usage: bool
+    deadline: float
+
+
+@dataclass(slots=True)
+class _Failure:
+    """Why an attempt failed before any byte reached the client."""
+
+    reason: str
+    status: int = 502
+    body: bytes | None = None
+    content_type: str = "application/json"
+
+
+def _upstream_headers(call: _Call) -> dict[str, str]:
+    headers = {"Content-Type": "application/json", REQUEST_ID_HEADER: call.info.request_id}
+    for name in _FORWARD_HEADERS:
+        value = call.request.headers.get(name)
+        if value is not None:
+            headers[name] = value
+    return headers
+
+
+def _our_headers(call: _Call, backend_id: str) -> dict[str, str]:
+    return {REQUEST_ID_HEADER: call.info.request_id, BACKEND_HEADER: backend_id}
+
+
+def _error_body(message: str, err_type: str, code: int) -> bytes:
+    return orjson.dumps(
+        {"error": {"message": message, "type": err_type, "param": None, "code": code}}
+    )
+
+
+def _failure_response(call: _Call, backend_id: str, failure: _Failure) -> web.Response:
+    body = failure.body
+    if body is None:
+        message = f"no backend could serve the request ({failure.reason})"
+        body = _error_body(message, "upstream_error", failure.status)
+    resp = web.Response(status=failure.status, body=body, headers=_our_headers(call, backend_id))
+    resp.content_type = failure.content_type.split(";")[0]
+    return resp
+
+
+def _retryable_status(status: int) -> bool:
+    return status >= 500 or status == 429
+
+
+class _Attempt:
+    """One try of one request on one backend, with its accounting."""
+
+    def __init__(self, ctx: ProxyContext, call: _Call, backend_id: str) -> None:
+        self.ctx = ctx
+        self.call = call
+        self.backend_id = backend_id
+        self.loop = asyncio.get_running_loop()
+        self.started = self.loop.time()
+        self.first_token_at: float | None = None
+        self.last_chunk_at = self.started
+        self.output_tokens = 0
+        self.status = 0
+
+    def dispatch(self) -> None:
+        self.ctx.table.on_dispatch(self.backend_id, self.call.info)
+        self.ctx.policy.on_dispatch(self.call.info, self.backend_id)
+
+    def mark_first_token(self, now: float) -> None:
+        self.first_token_at = now
+        ttft_s = now - self.started
+        self.ctx.table.on_first_token(self.backend_id, self.call.info, ttft_s * 1000.0)
+        self.ctx.metrics.observe_ttft(self.backend_id, ttft_s)
+
+    def finish(self, ok: bool, status: int) -> None:
+        ctx, info, bid = self.ctx, self.call.info, self.backend_id
+        now = self.loop.time()
+        ttft_ms = tpot_ms = None
+        if self.first_token_at is not None:
+            ttft_ms = (self.first_token_at - self.started) * 1000.0
+            if self.output_tokens > 1:
+                tpot_s = (self.last_chunk_at - self.first_token_at) / (self.output_tokens - 1)
+                tpot_ms = tpot_s * 1000.0
+        outcome = Outcome(ok, status, ttft_ms, tpot_ms, self.output_tokens)
+        had_first = self.first_token_at is not None
+        ctx.table.on_complete(bid, info, outcome, had_first_token=had_first)
+        ctx.policy.on_complete(info, bid, outcome)
+        ctx.metrics.request_done(info.model, bid, status)
+        if ok:
+            ctx.metrics.observe_e2e(bid, now - self.started)
+            if status == 200 and self.output_tokens:
+                ctx.profiler.outputs.observe(self.call.user, info.model, self.output_tokens)
+        logger.debug(
+            "request_id=%s backend=%s status=%d e2e_ms=%.1f output_tokens=%d",
+            info.request_id, bid, status, (now - self.started) * 1000.0, self.output_tokens,
+        )  # fmt: skip
+
+
+async def _open(ctx: ProxyContext, call: _Call, att: _Attempt) -> aiohttp.ClientResponse:
+    url = ctx.table.url_of(att.backend_id) + call.path
+    return await ctx.session.post(url, data=call.payload, headers=_upstream_headers(call))
+
+
+async def _read_first(resp: aiohttp.ClientResponse) -> bytes:
+    """First non-empty body chunk (b"" at end of stream)."""
+    while True:
+        chunk = await resp.content.readany()
+        if chunk or resp.content.at_eof():
+            return chunk
+
+
+async def _try_backend(
+    ctx: ProxyContext, call: _Call, att: _Attempt
+) -> tuple[aiohttp.ClientResponse, bytes] | _Failure:
+    """Open the upstream request and wait for its first byte, bounded by the timeouts."""
+    loop_time = att.loop.time()
+    budget_s = min(ctx.cfg.first_byte_timeout_s, call.deadline - loop_time)
+    resp: aiohttp.ClientResponse | None = None
+    try:
+        async with asyncio.timeout(budget_s):
+            resp = await _open(ctx, call, att)
+            if _retryable_status(resp.status) or resp.status != 200 or not call.is_stream:
+                body = await resp.read()
+                return resp, body
+            return resp, await _read_first(resp)
+    except TimeoutError:
+        if resp is not None:
+            resp.close()
+        return _Failure("first_byte_timeout", status=504)
+    except (aiohttp.ClientError, OSError) as exc:
+        if resp is not None:
+            resp.close()
+        return _Failure(f"connect_error:{type(exc).__name__}")
+
+
+def _usage_tokens(body: bytes) -> int:
+    try:
+        usage = orjson.loads(body).get("usage")
+    except (orjson.JSONDecodeError, AttributeError):
+        return 0
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return tokens if isinstance(tokens, int) else 0
+
+
+def _whole_response(
+    call: _Call, att: _Attempt, resp: aiohttp.ClientResponse, body: bytes
+) -> web.Response:
+    if resp.status == 200:
+        att.output_tokens = _usage_tokens(body)
+    out = web.Response(status=resp.status, body=body, headers=_our_headers(call, att.backend_id))
+    out.content_type = resp.content_type
+    return out
+
+
+async def _pump(
+    ctx: ProxyContext,
+    att: _Attempt,
+    resp: aiohttp.ClientResponse,
+    out: web.StreamResponse,
+    relay: SseRelay,
+    chunk: bytes,
+) -> None:
+    observe_itl = ctx.metrics.observe_itl
+    loop_time = att.loop.time
+    while chunk:
+        data = relay.feed(chunk)
+        if data:
+            now = loop_time()
+            if att.first_token_at is None:
+                att.mark_first_token(now)
+            else:
+                observe_itl(att.backend_id, now - att.last_chunk_at)
+            att.last_chunk_at = now
+            await out.write(data)
+        chunk = await resp.content.readany()
+    rest = relay.flush()
+    if rest:
+        await out.write(rest)
+
+
+async def _relay(
+    ctx: ProxyContext, call: _Call, att: _Attempt, resp: aiohttp.ClientResponse, first: bytes
+) -> tuple[web.StreamResponse, int]:
+    """Stream the upstream SSE body to the client as it arrives; returns (response, status)."""
+    headers = _our_headers(call, att.backend_id)
+    headers["Cache-Control"] = "no-cache"
+    out = web.StreamResponse(status=resp.status, headers=headers)
+    out.content_type = resp.content_type or "text/event-stream"
+    relay = SseRelay(strip_usage=call.strip_usage)
+    await out.prepare(call.request)
+    status = 200
+    try:
+        async with asyncio.timeout(call.deadline - att.loop.time()):
+            await _pump(ctx, att, resp, out, relay, first)
+    except ConnectionResetError:
+        status = _CLIENT_GONE
+    except TimeoutError:
+        status = 504
+    except (aiohttp.ClientError, OSError):
+        status = 502
+    att.output_tokens = relay.completion_tokens or max(0, relay.num_events - 1)
+    if status != 200:
+        logger.warning(
+            "request_id=%s backend=%s stream ended early (status %d)",
+            call.info.request_id, att.backend_id, status,
+        )  # fmt: skip
+    return out, status
+
+
+async def _serve(
+    ctx: ProxyContext, call: _Call, att: _Attempt, resp: aiohttp.ClientResponse, first: bytes
+) -> web.StreamResponse:
+    """Answer the client from an upstream response that will not be retried."""
+    try:
+        if resp.status == 200 and call.is_stream:
+            out, status = await _relay(ctx, call, att, resp, first)
+        else:
+            out, status = _whole_response(call, att, resp, first), resp.status
+    except asyncio.CancelledError:  # the client went away (handler cancelled)
+        resp.close()
+        att.finish(ok=False, status=_CLIENT_GONE)
+        raise
+    if status == resp.status:
+        resp.release()
+    else:
+        resp.close()
+    att.finish(ok=status < 500 and status != _CLIENT_GONE, status=status)
+    return out
+
+
+async def _attempt(
+    ctx: ProxyContext, call: _Call, backend_id: str
+) -> web.StreamResponse | _Failure:
+    att = _Attempt(ctx, call, backend_id)
+    att.dispatch()
+    try:
+        got = await _try_backend(ctx, call, att)
+    except asyncio.CancelledError:
+        att.finish(ok=False, status=_CLIENT_GONE)
+        raise
+    if isinstance(got, _Failure):
+        att.finish(ok=False, status=got.status)
+        return got
+    resp, first = got
+    if _retryable_status(resp.status):
+        resp.release()
+        att.finish(ok=False, status=resp.status)
+        return _Failure(f"http_{resp.status}", resp.status, first, resp.content_type)
+    return await _serve(ctx, call, att, resp, first)
+
+
+def _payload(body: dict[str, Any], raw: bytes) -> tuple[bytes, bool, bool]:
+    """(bytes to send upstream, is_stream, strip_usage). Asks for usage on streams."""
+    if not body.get("stream"):
+        return raw, False, False
+    opts = body.get("stream_options")
+    if isinstance(opts, dict) and opts.get("include_usage") is True:
+        return raw, True, False
+    new_opts = (
+        {**opts, "include_usage": True} if isinstance(opts, dict) else {"include_usage": True}
+    )
+    return orjson.dumps({**body, "stream_options": new_opts}), True, True
+
+
+async def forward(
+    ctx: ProxyContext,
+    request: web.Request,
+    path: str,
+    body: dict[str, Any],
+    raw: bytes,
+    info: RequestInfo,
+    decision: Decision,
+) -> web.StreamResponse:
+    """Send the request to the decision's backends in rank order until one answers."""
+    loop = asyncio.get_running_loop()
+    payload, is_stream, strip_usage = _payload(body, raw)
+    user = body.get("user")
+    call = _Call(
+        request, path, payload, info, user if isinstance(user, str) else None,
+        is_stream, strip_usage, loop.time() + ctx.cfg.request_timeout_s,
+    )  # fmt: skip
+    candidates = decision.ranked[: ctx.cfg.retries + 1]
+    failure = _Failure("deadline_exceeded", status=504)
+    backend_id = candidates[0]
+    for i, backend_id in enumerate(candidates):
+        if i > 0 and loop.time() >= call.deadline:
+            break
+        result = await _attempt(ctx, call, backend_id)
+        if not isinstance(result, _Failure):
+            return result
+        failure = result
+        if i + 1 < len(candidates):
+            ctx.metrics.retry(backend_id, failure.reason.split(":")[0])
+            logger.warning(
+                "request_id=%s backend=%s failed before first byte (%s); retrying",
+                info.request_id, backend_id, failure.reason,
+            )  # fmt: skip
+    return _failure_response(call, backend_id, failure)

@@ -1,0 +1,79 @@
+"""Server-sent-event relay bookkeeping: forward bytes as they come, find the usage chunk.
+
+Bytes are never re-encoded. Complete events (up to the last ``\\n\\n`` seen) are passed
+on as received; only a batch that mentions ``"usage"`` is split into events, and the
+usage event (``"usage": {...}`` with no choices, as vLLM sends for
+``stream_options.include_usage``) is parsed for token counts and dropped when the
+client did not ask for it.
+"""
+
+from __future__ import annotations
+
+import orjson
+
+__all__ = ["SseRelay"]
+
+_SEP = b"\n\n"
+_USAGE = b'"usage"'
+_NULL_USAGE = (b'"usage":null', b'"usage": null')
+
+
+class SseRelay:
+    """Feed upstream chunks, get the bytes to forward; usage counts are collected."""
+
+    __slots__ = ("_buf", "completion_tokens", "num_events", "prompt_tokens", "strip_usage")
+
+    def __init__(self, *, strip_usage: bool) -> None:
+        self.strip_usage = strip_usage
+        self.completion_tokens: int | None = None
+        self.prompt_tokens: int | None = None
+        self.num_events = 0
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        """Bytes of every event completed by ``chunk`` (possibly empty)."""
+        buf = self._buf + chunk if self._buf else chunk
+        cut = buf.rfind(_SEP)
+        if cut < 0:
+            self._buf = buf
+            return b""
+        cut += 2
+        done, self._buf = buf[:cut], buf[cut:]
+        if _USAGE in done:
+            done = self._filter_usage(done)
+        self.num_events += done.count(b"data:")
+        return done
+
+    def flush(self) -> bytes:
+        """Whatever is left when the upstream stream ends (normally nothing)."""
+        rest, self._buf = self._buf, b""
+        return rest
+
+    def _filter_usage(self, data: bytes) -> bytes:
+        kept = []
+        for event in data.split(_SEP):
+            if not event:
+                continue
+            if _USAGE in event and self._is_usage_event(event) and self.strip_usage:
+                continue
+            kept.append(event + _SEP)
+        return b"".join(kept)
+
+    def _is_usage_event(self, event: bytes) -> bool:
+        if any(n in event for n in _NULL_USAGE):
+            return False
+        start = event.find(b"data:")
+        if start < 0:
+            return False
+        try:
+            obj = orjson.loads(event[start + 5 :])
+        except orjson.JSONDecodeError:
+            return False
+        usage = obj.get("usage") if isinstance(obj, dict) else None
+        if not isinstance(usage, dict):
+            return False
+        completion = usage.get("completion_tokens")
+        prompt = usage.get("prompt_tokens")
+        self.completion_tokens = completion if isinstance(completion, int) else None
+        self.prompt_tokens = prompt if isinstance(prompt, int) else None
+        return not obj.get("choices")
