@@ -1,0 +1,48 @@
+"""Least request: fewest in-flight requests per unit of capacity weight.
+
+Algorithm: sort candidates by ``in_flight / (weight * effective_weight)`` (the
+gateway's own counter, always known), then by the scraped
+``(num_running + num_waiting) / capacity weight`` (``inf`` when the scrape is stale or
+missing: unknown counts as saturated), then by snapshot order. No thresholds.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+from kiloserve.policies.base import ClusterSnapshot, Decision, RequestInfo
+from kiloserve.policies.params import PolicyParams
+from kiloserve.policies.ranking import rank_by_keys
+from kiloserve.policies.signals import candidates
+from kiloserve.policies.stateless import StatelessHooks
+
+__all__ = ["LeastRequestParams", "LeastRequestPolicy"]
+
+
+class LeastRequestParams(PolicyParams):
+    """Least request takes no parameters."""
+
+
+class LeastRequestPolicy(StatelessHooks):
+    name = "least_request"
+
+    def __init__(self, params: LeastRequestParams | None = None) -> None:
+        self.params = params or LeastRequestParams()
+
+    def choose(
+        self, request: RequestInfo, snapshot: ClusterSnapshot, rng: random.Random
+    ) -> Decision:
+        pool = candidates(request, snapshot)
+        if not pool:
+            return Decision(ranked=(), policy=self.name, reason="no eligible backend")
+        in_flight, queue = [], []
+        for b in pool:
+            cw = b.weight * b.effective_weight
+            in_flight.append(b.in_flight / cw)
+            running, waiting = b.num_running, b.num_waiting
+            if b.scrape_stale or running is None or waiting is None:
+                queue.append(math.inf)
+            else:
+                queue.append((running + waiting) / cw)
+        return Decision(ranked=rank_by_keys(pool, in_flight, queue), policy=self.name)

@@ -1,0 +1,42 @@
+"""Least tokens: least outstanding prefill + decode token work per capacity weight.
+
+Algorithm: sort candidates by ``(outstanding_prefill_tokens + outstanding_decode_tokens
++ this request's input + predicted output tokens) / (weight * effective_weight)``
+(gateway-local counters, always known), then by ``signals.load_rank`` (known request
+load first; stale or missing scrapes count as saturated), then by snapshot order.
+Adding the request's own tokens makes a demoted backend pay for the new work too.
+No thresholds.
+"""
+
+from __future__ import annotations
+
+import random
+
+from kiloserve.policies.base import ClusterSnapshot, Decision, RequestInfo
+from kiloserve.policies.params import PolicyParams
+from kiloserve.policies.ranking import rank_by_keys
+from kiloserve.policies.signals import candidates, load_ranks, token_loads
+from kiloserve.policies.stateless import StatelessHooks
+
+__all__ = ["LeastTokensParams", "LeastTokensPolicy"]
+
+
+class LeastTokensParams(PolicyParams):
+    """Least tokens takes no parameters."""
+
+
+class LeastTokensPolicy(StatelessHooks):
+    name = "least_tokens"
+
+    def __init__(self, params: LeastTokensParams | None = None) -> None:
+        self.params = params or LeastTokensParams()
+
+    def choose(
+        self, request: RequestInfo, snapshot: ClusterSnapshot, rng: random.Random
+    ) -> Decision:
+        pool = candidates(request, snapshot)
+        if not pool:
+            return Decision(ranked=(), policy=self.name, reason="no eligible backend")
+        new_tokens = request.input_tokens + request.predicted_output_tokens
+        ranked = rank_by_keys(pool, token_loads(pool, new_tokens), load_ranks(pool))
+        return Decision(ranked=ranked, policy=self.name)

@@ -1,0 +1,83 @@
+"""Which backend recently received which prefix blocks: a bounded LRU of block hashes.
+
+``tokens.block_hashes`` are chained (block i's hash covers blocks 0..i), so a backend
+holding hash i received the whole prefix up to block i. The index maps a block hash to
+the backends that received it (most recent last, at most ``max_num_holders_per_block``)
+and keeps at most ``max_num_blocks`` hashes, evicting the least recently dispatched.
+
+``insert`` touches a request's blocks deepest first, so block 0 is the most recent and
+eviction removes the deepest blocks first: each backend's set stays a prefix, which is
+what lets ``match_depths`` binary-search the depth per backend (O(holders x log L)).
+When the per-block holder cap drops a backend from a shallow block only, the depth
+found is approximate (as in SGLang's approximate radix tree); routing stays correct,
+only less sticky. Lookups never change recency; only ``insert`` does.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from kiloserve.errors import ConfigError
+
+__all__ = ["PrefixIndex"]
+
+
+class PrefixIndex:
+    """Bounded LRU: block hash -> backends that received it."""
+
+    def __init__(self, max_num_blocks: int, max_num_holders_per_block: int) -> None:
+        if max_num_blocks < 1 or max_num_holders_per_block < 1:
+            raise ConfigError("max_num_blocks and max_num_holders_per_block must be >= 1")
+        self.max_num_blocks = max_num_blocks
+        self.max_num_holders_per_block = max_num_holders_per_block
+        self._holders: OrderedDict[int, dict[str, None]] = OrderedDict()
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._holders)
+
+    def insert(self, prefix_hashes: Sequence[int], backend_id: str) -> None:
+        """Record that ``backend_id`` received the blocks ``prefix_hashes``."""
+        index = self._holders
+        cap = self.max_num_holders_per_block
+        for block_hash in reversed(prefix_hashes):
+            holders = index.get(block_hash)
+            if holders is None:
+                holders = index[block_hash] = {}
+            else:
+                index.move_to_end(block_hash)
+                holders.pop(backend_id, None)
+            holders[backend_id] = None
+            if len(holders) > cap:
+                del holders[next(iter(holders))]
+        while len(index) > self.max_num_blocks:
+            index.popitem(last=False)
+
+    def forget_backend(self, backend_id: str) -> None:
+        """Drop ``backend_id`` everywhere (e.g. after its cache was lost)."""
+        for block_hash in [h for h, holders in self._holders.items() if backend_id in holders]:
+            holders = self._holders[block_hash]
+            del holders[backend_id]
+            if not holders:
+                del self._holders[block_hash]
+
+    def match_depths(self, prefix_hashes: Sequence[int]) -> dict[str, int]:
+        """Backend id -> number of leading blocks of ``prefix_hashes`` it holds (> 0)."""
+        if not prefix_hashes:
+            return {}
+        first = self._holders.get(prefix_hashes[0])
+        if not first:
+            return {}
+        return {bid: self._depth(prefix_hashes, bid) for bid in first}
+
+    def _depth(self, prefix_hashes: Sequence[int], backend_id: str) -> int:
+        lo, hi = 1, len(prefix_hashes)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            holders = self._holders.get(prefix_hashes[mid - 1])
+            if holders is not None and backend_id in holders:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo

@@ -1,0 +1,152 @@
+"""Scored: filter -> weighted scorers -> picker (llm-d style), composed from YAML.
+
+Algorithm: candidates are ``signals.candidates``. Each configured scorer
+(``scorers.SCORERS``: queue, tokens, kv, prefix, latency, session, weight) gives every
+candidate a score in [0, 1]; the total is ``sum(weight_k * score_k) / sum(weight_k)``,
+so it is in [0, 1] too. Pickers:
+
+* ``max``: highest total; ties go to snapshot order. Ranked by descending total.
+* ``weighted_random``: probability proportional to the total (one ``rng.random()``);
+  all totals 0 falls back to least load. Fallbacks by descending total.
+
+Example: ``{"scorers": {"queue": 1.0, "kv": 1.0, "prefix": 2.0, "latency": 0.5},
+"picker": "max"}``. Scorer weights must be >= 0 with at least one > 0; zero-weight
+scorers are not run. The prefix scorer keeps a ``PrefixIndex`` updated in
+``on_dispatch`` (same bounds as ``prefix_affinity``: 200,000 blocks, 8 holders per
+block, 1024 blocks per request) and scores 0 below ``min_prompt_tokens`` (512). The
+session scorer hashes the session key onto the pool's groups (``num_vnodes`` 64)
+without load bounds: the load scorers bound it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+from itertools import accumulate
+from typing import Literal, cast
+
+from pydantic import Field, field_validator
+
+from kiloserve.policies.base import BackendState, ClusterSnapshot, Decision, Outcome, RequestInfo
+from kiloserve.policies.defaults import DEFAULT_PICKER, DEFAULT_SCORER_WEIGHTS
+from kiloserve.policies.hash_ring import RingCache, group_name, stable_hash64
+from kiloserve.policies.params import PolicyParams
+from kiloserve.policies.prefix_index import PrefixIndex
+from kiloserve.policies.ranking import least_load_order, rank_by_keys
+from kiloserve.policies.scorers import SCORERS, ScorerName, ScoringContext
+from kiloserve.policies.signals import candidates
+
+__all__ = ["ScoredParams", "ScoredPolicy"]
+
+
+def _default_scorers() -> dict[ScorerName, float]:
+    return {cast(ScorerName, k): w for k, w in DEFAULT_SCORER_WEIGHTS.items()}
+
+
+class ScoredParams(PolicyParams):
+    scorers: dict[ScorerName, float] = Field(default_factory=_default_scorers)
+    picker: Literal["max", "weighted_random"] = DEFAULT_PICKER
+    latency_metric: Literal["ttft", "tpot"] = "ttft"
+    min_prompt_tokens: int = Field(default=512, ge=0)
+    max_num_blocks: int = Field(default=200_000, ge=1)
+    max_num_holders_per_block: int = Field(default=8, ge=1)
+    max_num_blocks_per_request: int = Field(default=1024, ge=1)
+    num_vnodes: int = Field(default=64, ge=1, le=4096)
+    include_scores: bool = False
+
+    @field_validator("scorers")
+    @classmethod
+    def _weights_valid(cls, scorers: dict[str, float]) -> dict[str, float]:
+        for scorer, weight in scorers.items():
+            if weight < 0.0:
+                raise ValueError(f"weight of scorer {scorer!r} must be >= 0, got {weight}")
+        if not any(w > 0.0 for w in scorers.values()):
+            raise ValueError("at least one scorer needs a positive weight")
+        return scorers
+
+
+class ScoredPolicy:
+    def __init__(self, params: ScoredParams | None = None, name: str = "scored") -> None:
+        self.name = name
+        self.params = p = params or ScoredParams()
+        active = {k: w for k, w in p.scorers.items() if w > 0.0}
+        self._scorers = tuple((SCORERS[k], w) for k, w in active.items())
+        self._total_weight = sum(active.values())
+        self.index: PrefixIndex | None = None
+        if "prefix" in active:
+            self.index = PrefixIndex(p.max_num_blocks, p.max_num_holders_per_block)
+        self._rings = RingCache(p.num_vnodes) if "session" in active else None
+
+    def choose(
+        self, request: RequestInfo, snapshot: ClusterSnapshot, rng: random.Random
+    ) -> Decision:
+        pool = candidates(request, snapshot)
+        if not pool:
+            return Decision(ranked=(), policy=self.name, reason="no eligible backend")
+        totals = self.totals(self._context(request, snapshot, pool))
+        scores = None
+        if self.params.include_scores:
+            scores = {b.backend_id: t for b, t in zip(pool, totals, strict=True)}
+        by_total = rank_by_keys(pool, [-t for t in totals])
+        if self.params.picker == "max":
+            return Decision(ranked=by_total, policy=self.name, scores=scores)
+        return self._weighted_random(pool, totals, by_total, rng, scores)
+
+    def totals(self, ctx: ScoringContext) -> list[float]:
+        """Weighted mean score of every candidate in ``ctx.pool``."""
+        totals = [0.0] * len(ctx.pool)
+        for scorer, weight in self._scorers:
+            totals = [t + weight * s for t, s in zip(totals, scorer(ctx), strict=True)]
+        norm = self._total_weight
+        return [t / norm for t in totals]
+
+    def _weighted_random(
+        self,
+        pool: list[BackendState],
+        totals: list[float],
+        by_total: tuple[str, ...],
+        rng: random.Random,
+        scores: dict[str, float] | None,
+    ) -> Decision:
+        cumulative = list(accumulate(totals))
+        if cumulative[-1] <= 0.0:
+            return Decision(least_load_order(pool), self.name, "all scores zero", scores)
+        index = bisect.bisect_right(cumulative, rng.random() * cumulative[-1])
+        if index >= len(pool):
+            index = bisect.bisect_left(cumulative, cumulative[-1])
+        first = pool[index].backend_id
+        ranked = (first, *[bid for bid in by_total if bid != first])
+        return Decision(ranked=ranked, policy=self.name, scores=scores)
+
+    def _context(
+        self, request: RequestInfo, snapshot: ClusterSnapshot, pool: list[BackendState]
+    ) -> ScoringContext:
+        p = self.params
+        ctx = ScoringContext(request=request, pool=pool, latency_metric=p.latency_metric)
+        hashes = request.prefix_hashes[: p.max_num_blocks_per_request]
+        if self.index is not None and hashes and request.input_tokens >= p.min_prompt_tokens:
+            ctx.prefix_depths = self.index.match_depths(hashes)
+            ctx.num_prefix_blocks = len(hashes)
+        if self._rings is not None and request.session_key is not None:
+            ctx.session_group = self._session_group(request, snapshot, pool)
+        return ctx
+
+    def _session_group(
+        self, request: RequestInfo, snapshot: ClusterSnapshot, pool: list[BackendState]
+    ) -> str | None:
+        if self._rings is None or request.session_key is None:
+            return None
+        ring = self._rings.pool_ring(snapshot, request.model)
+        live = {group_name(b) for b in pool}
+        for name in ring.walk(stable_hash64(request.session_key)):
+            if name in live:
+                return name
+        return None
+
+    def on_dispatch(self, request: RequestInfo, backend_id: str) -> None:
+        hashes = request.prefix_hashes[: self.params.max_num_blocks_per_request]
+        if self.index is not None and hashes:
+            self.index.insert(hashes, backend_id)
+
+    def on_complete(self, request: RequestInfo, backend_id: str, outcome: Outcome) -> None:
+        return None

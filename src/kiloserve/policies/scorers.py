@@ -1,0 +1,125 @@
+"""Scorers for the ``scored`` policy: each maps every candidate to a score in [0, 1].
+
+Higher is better. Every scorer sees one ``ScoringContext`` (the request, the
+candidates in snapshot order, and the per-request lookups some scorers need). Load
+scorers divide load by ``weight * effective_weight``, so slow-node demotion (S3.2)
+lowers them; unknown scraped state scores 0 (saturated), never 1.
+
+* ``queue``: ``1 - min(1, num_requests / capacity_weight / cap)``; cap is the backend's
+  ``max_num_seqs``, else the pool's largest known load (at least 1).
+* ``tokens``: ``1 - min(1, outstanding tokens incl. this request / capacity_weight /
+  cap)``; cap is ``kv_capacity_tokens``, else the pool's largest (at least 1).
+* ``kv``: free KV fraction; stale or unknown is 0.
+* ``prefix``: matched leading blocks / request blocks, from the policy's prefix index;
+  0 below ``min_prompt_tokens``.
+* ``latency``: ``min_latency / latency`` over the pool, latency being EWMA TTFT (or
+  TPOT) divided by capacity weight; unknown latency takes the pool mean.
+* ``session``: 1 for the backends of the group the session key hashes to, else 0.
+* ``weight``: ``weight * effective_weight`` / the pool's largest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Literal
+
+from kiloserve.policies.base import BackendState, RequestInfo
+from kiloserve.policies.hash_ring import group_name
+from kiloserve.policies.signals import capacity_weight, kv_free_fractions, token_loads
+
+__all__ = ["SCORERS", "ScorerName", "ScoringContext"]
+
+_INF = float("inf")
+ScorerName = Literal["queue", "tokens", "kv", "prefix", "latency", "session", "weight"]
+
+
+@dataclass(slots=True)
+class ScoringContext:
+    request: RequestInfo
+    pool: list[BackendState]
+    prefix_depths: Mapping[str, int] = field(default_factory=dict)
+    num_prefix_blocks: int = 0
+    session_group: str | None = None
+    latency_metric: Literal["ttft", "tpot"] = "ttft"
+
+
+def _headroom(loads: list[float], caps: list[int | None]) -> list[float]:
+    """``1 - min(1, load / cap)``; a missing cap is the largest finite load (>= 1)."""
+    pool_cap = 1.0
+    for x in loads:
+        if pool_cap < x < _INF:
+            pool_cap = x
+    out = []
+    for load, cap in zip(loads, caps, strict=True):
+        ratio = load / (cap or pool_cap)
+        out.append(0.0 if ratio >= 1.0 else 1.0 - ratio)
+    return out
+
+
+def queue_score(ctx: ScoringContext) -> list[float]:
+    loads = []
+    for b in ctx.pool:
+        running, waiting = b.num_running, b.num_waiting
+        if b.scrape_stale or running is None or waiting is None:
+            loads.append(_INF)
+        else:
+            num = b.in_flight if b.in_flight > running + waiting else running + waiting
+            loads.append(num / (b.weight * b.effective_weight))
+    return _headroom(loads, [b.max_num_seqs for b in ctx.pool])
+
+
+def tokens_score(ctx: ScoringContext) -> list[float]:
+    new_tokens = ctx.request.input_tokens + ctx.request.predicted_output_tokens
+    loads = token_loads(ctx.pool, new_tokens)
+    return _headroom(loads, [b.kv_capacity_tokens for b in ctx.pool])
+
+
+def kv_score(ctx: ScoringContext) -> list[float]:
+    return kv_free_fractions(ctx.pool)
+
+
+def prefix_score(ctx: ScoringContext) -> list[float]:
+    if not ctx.prefix_depths or ctx.num_prefix_blocks == 0:
+        return [0.0] * len(ctx.pool)
+    depths, n = ctx.prefix_depths, ctx.num_prefix_blocks
+    return [depths.get(b.backend_id, 0) / n for b in ctx.pool]
+
+
+def latency_score(ctx: ScoringContext) -> list[float]:
+    is_ttft = ctx.latency_metric == "ttft"
+    raw = [b.ewma_ttft_ms if is_ttft else b.ewma_tpot_ms for b in ctx.pool]
+    known = [x for x in raw if x is not None]
+    if not known:
+        return [1.0] * len(ctx.pool)
+    fill = sum(known) / len(known)
+    latencies = [
+        (fill if x is None else x) / capacity_weight(b) for b, x in zip(ctx.pool, raw, strict=True)
+    ]
+    best = min(latencies)
+    return [1.0 if x <= 0.0 else best / x for x in latencies]
+
+
+def session_score(ctx: ScoringContext) -> list[float]:
+    group = ctx.session_group
+    return [1.0 if group is not None and group_name(b) == group else 0.0 for b in ctx.pool]
+
+
+def weight_score(ctx: ScoringContext) -> list[float]:
+    weights = [capacity_weight(b) for b in ctx.pool]
+    top = max(weights)
+    return [w / top for w in weights]
+
+
+SCORERS: Mapping[str, Callable[[ScoringContext], list[float]]] = MappingProxyType(
+    {
+        "queue": queue_score,
+        "tokens": tokens_score,
+        "kv": kv_score,
+        "prefix": prefix_score,
+        "latency": latency_score,
+        "session": session_score,
+        "weight": weight_score,
+    }
+)
