@@ -1,0 +1,165 @@
+"""Replay of the shipped production traces (token counts only, no text).
+
+* Azure LLM inference trace 2023 (CSV: ``arrived_at`` seconds, ``num_prefill_tokens``,
+  ``num_decode_tokens``): ``azure-conv`` and ``azure-code``. Prompts are unique text.
+* Mooncake conversation trace (JSONL: ``timestamp`` ms, ``input_length``,
+  ``output_length``, ``hash_ids``: one id per 512-token block). Block ``h`` always
+  renders to the same 512 words, so equal ``hash_ids`` prefixes give byte-identical
+  prompt prefixes and the engine's prefix cache really hits.
+
+The trace folder is ``traces_dir`` if given, else ``$KILOSERVE_TRACES``, else
+``../shared/data/traces`` next to the repository root.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+
+from kiloserve.errors import ConfigError
+from kiloserve.workload.prompts import (
+    BLOCK_TOKENS,
+    NS_MOONCAKE,
+    NS_UNIQUE,
+    PromptBuilder,
+    Segment,
+    split_tokens,
+)
+from kiloserve.workload.request import RequestSpec
+
+__all__ = [
+    "TRACE_FILES",
+    "TraceRow",
+    "find_traces_dir",
+    "read_azure_csv",
+    "read_mooncake_jsonl",
+    "read_trace",
+    "trace_requests",
+]
+
+TRACE_FILES = {
+    "azure-conv": "azure_conv_2023.csv",
+    "azure-code": "azure_code_2023.csv",
+    "mooncake": "mooncake_conversation.jsonl",
+}
+ENV_VAR = "KILOSERVE_TRACES"
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRow:
+    """One trace request: arrival in seconds from the trace start."""
+
+    arrival_s: float
+    input_tokens: int
+    output_tokens: int
+    hash_ids: tuple[int, ...] = ()
+
+
+def find_traces_dir(traces_dir: str | Path | None = None) -> Path:
+    """The folder holding the shipped traces (see module docstring)."""
+    if traces_dir is not None:
+        candidates = [Path(traces_dir)]
+    elif os.environ.get(ENV_VAR):
+        candidates = [Path(os.environ[ENV_VAR])]
+    else:
+        repo_root = Path(__file__).resolve().parents[3]
+        candidates = [repo_root.parent / "shared" / "data" / "traces"]
+    for path in candidates:
+        if path.is_dir():
+            return path
+    raise ConfigError(
+        f"trace folder not found (tried {', '.join(map(str, candidates))}); "
+        f"pass --traces-dir or set ${ENV_VAR}"
+    )
+
+
+def read_trace(name: str, traces_dir: str | Path | None = None) -> list[TraceRow]:
+    """Rows of a shipped trace by name (``azure-conv``, ``azure-code``, ``mooncake``)."""
+    if name not in TRACE_FILES:
+        raise ConfigError(f"unknown trace {name!r}; valid: {', '.join(TRACE_FILES)}")
+    path = find_traces_dir(traces_dir) / TRACE_FILES[name]
+    if not path.is_file():
+        raise ConfigError(f"trace file {path} is missing")
+    return read_mooncake_jsonl(path) if path.suffix == ".jsonl" else read_azure_csv(path)
+
+
+def read_azure_csv(path: Path) -> list[TraceRow]:
+    """Parse an Azure 2023 trace CSV (splitwise/vidur processed columns)."""
+    need = ("arrived_at", "num_prefill_tokens", "num_decode_tokens")
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        missing = [c for c in need if c not in (reader.fieldnames or [])]
+        if missing:
+            raise ConfigError(f"{path}: missing columns {missing}; expected {list(need)}")
+        try:
+            return [TraceRow(float(r[need[0]]), int(r[need[1]]), int(r[need[2]])) for r in reader]
+        except ValueError as exc:
+            raise ConfigError(f"{path}: bad value: {exc}") from exc
+
+
+def read_mooncake_jsonl(path: Path) -> list[TraceRow]:
+    """Parse a Mooncake trace (``timestamp`` in ms)."""
+    rows: list[TraceRow] = []
+    with path.open("rb") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                d = orjson.loads(line)
+                rows.append(
+                    TraceRow(
+                        float(d["timestamp"]) / 1000.0,
+                        int(d["input_length"]),
+                        int(d["output_length"]),
+                        tuple(int(h) for h in d.get("hash_ids", ())),
+                    )
+                )
+            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+                raise ConfigError(f"{path}:{line_no}: bad record: {exc}") from exc
+    return rows
+
+
+def trace_requests(
+    name: str,
+    rows: Sequence[TraceRow],
+    indices: Sequence[int],
+    arrivals: Sequence[float | None],
+    *,
+    seed: int,
+    builder: PromptBuilder,
+    with_prompts: bool = True,
+) -> Iterator[RequestSpec]:
+    """Requests for the selected ``indices`` of ``rows`` with the given arrival times."""
+    for index, arrival_s in zip(indices, arrivals, strict=True):
+        row = rows[index]
+        segments = _segments(row, seed, index)
+        yield RequestSpec(
+            request_id=f"{name}-{index:06d}",
+            arrival_s=arrival_s,
+            input_tokens=sum(n for _, n in segments),
+            output_tokens=max(1, row.output_tokens),
+            prompt=builder.render(segments) if with_prompts else "",
+            prefix_group=f"block-{row.hash_ids[0]}" if row.hash_ids else None,
+        )
+
+
+def _segments(row: TraceRow, seed: int, index: int) -> list[Segment]:
+    input_tokens = max(1, row.input_tokens)
+    if not row.hash_ids:
+        return split_tokens((NS_UNIQUE, seed, index), input_tokens)
+    segments: list[Segment] = []
+    left = input_tokens
+    for h in row.hash_ids:
+        if left <= 0:
+            break
+        n = min(BLOCK_TOKENS, left)
+        segments.append(((NS_MOONCAKE, h), n))
+        left -= n
+    if left > 0:  # longer than its blocks: the rest is unique text
+        segments += split_tokens((NS_UNIQUE, seed, index), left)
+    return segments

@@ -1,0 +1,79 @@
+"""Trace parsers on the shipped files and trace replay options."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kiloserve.errors import ConfigError
+from kiloserve.tokens import block_hashes, count_tokens, tokenize
+from kiloserve.workload import find_traces_dir, load_workload, read_trace
+
+# Same rule as the code: ../shared/data/traces next to the repository root.
+TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "traces"
+pytestmark = pytest.mark.skipif(not TRACES.is_dir(), reason=f"no shipped traces at {TRACES}")
+
+
+def test_default_trace_dir_is_next_to_repo(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KILOSERVE_TRACES", raising=False)
+    assert find_traces_dir() == TRACES.resolve()
+    monkeypatch.setenv("KILOSERVE_TRACES", "/nonexistent/traces")
+    with pytest.raises(ConfigError, match="--traces-dir"):
+        find_traces_dir()
+
+
+@pytest.mark.parametrize(
+    ("name", "num_rows", "mean_in", "mean_out"),
+    [
+        ("azure-conv", 19_366, 1155, 211),
+        ("azure-code", 8_819, 2048, 28),
+        ("mooncake", 12_031, 12_035, 343),
+    ],
+)
+def test_parsers_match_readme_statistics(
+    name: str, num_rows: int, mean_in: int, mean_out: int
+) -> None:
+    rows = read_trace(name, TRACES)
+    assert len(rows) == num_rows
+    assert np.mean([r.input_tokens for r in rows]) == pytest.approx(mean_in, rel=0.01)
+    assert np.mean([r.output_tokens for r in rows]) == pytest.approx(mean_out, rel=0.01)
+    times = [r.arrival_s for r in rows]
+    assert times == sorted(times) and 55 * 60 < times[-1] < 60 * 60
+
+
+def test_mooncake_hash_ids_become_identical_prompt_prefixes() -> None:
+    specs = load_workload("mooncake", seed=0, num_requests=5, traces_dir=TRACES).take(5)
+    rows = read_trace("mooncake", TRACES)[:5]
+    for spec, row in zip(specs, rows, strict=True):
+        assert spec.input_tokens == row.input_tokens == count_tokens(spec.prompt)
+    # rows 0 and 1 share hash id 0 only (first 512-token block), then differ
+    h0, h1 = (block_hashes(tokenize(s.prompt)) for s in specs[:2])
+    assert h0[:32] == h1[:32] and h0[32] != h1[32]
+    assert specs[0].prompt[:2000] == specs[1].prompt[:2000]
+
+
+def test_mooncake_prefixes_do_not_depend_on_seed() -> None:
+    a = load_workload("mooncake", seed=0, num_requests=3, traces_dir=TRACES).take(3)
+    b = load_workload("mooncake", seed=9, num_requests=3, traces_dir=TRACES).take(3)
+    assert [s.prompt for s in a] == [s.prompt for s in b]
+
+
+def test_trace_replay_window_scale_and_limits() -> None:
+    full = load_workload("azure-conv", seed=0, traces_dir=TRACES, with_prompts=False)
+    assert full.num_requests == 19_366
+    window = load_workload("azure-conv", seed=0, window=(60.0, 120.0), time_scale=0.5,
+                           traces_dir=TRACES, with_prompts=False)  # fmt: skip
+    times = [s.arrival_s or 0.0 for s in window]
+    assert times[0] == 0.0 and max(times) < 30.0
+    rated = load_workload("azure-code", seed=0, rate=50.0, traces_dir=TRACES,
+                          with_prompts=False)  # fmt: skip
+    assert list(rated)[-1].arrival_s == pytest.approx((8_819 - 1) / 50.0)  # mean rate 50/s
+    cut = load_workload("azure-code", seed=0, rate=50.0, duration_s=10.0, traces_dir=TRACES,
+                        with_prompts=False)  # fmt: skip
+    cut_times = [s.arrival_s or 0.0 for s in cut]
+    assert cut.num_requests == len(cut_times) > 10 and max(cut_times) < 10.0
+    first = load_workload("azure-code", seed=0, num_requests=3, traces_dir=TRACES)
+    assert [s.request_id for s in first] == ["azure-code-000000", "azure-code-000001",
+                                            "azure-code-000002"]  # fmt: skip
