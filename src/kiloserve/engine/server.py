@@ -19,7 +19,6 @@ import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
 import orjson
 from aiohttp import web
@@ -37,61 +36,34 @@ from kiloserve.engine.protocol import (
     plan_output,
     render_chat,
 )
-from kiloserve.engine.twin import RequestStream, Twin, TwinConfig, build_twin
+from kiloserve.engine.twin import (
+    DisconnectWatcher,
+    RequestStream,
+    Twin,
+    TwinConfig,
+    Watched,
+    build_twin,
+)
 from kiloserve.errors import NotFoundError, RequestError
 
-__all__ = ["VLLM_VERSION", "TwinConfig", "create_app", "run_twin", "serve_twin"]
+__all__ = [
+    "VLLM_VERSION",
+    "TwinConfig",
+    "TwinServer",
+    "create_app",
+    "run_twin",
+    "serve_twin",
+]
 
 logger = logging.getLogger(__name__)
 
 VLLM_VERSION = "0.33.0"
-WATCH_INTERVAL_S = 0.2
 TWIN_KEY = web.AppKey("twin", Twin)
 Parser = Callable[[object, TokenizeFn], GenerationRequest]
 CrashFn = Callable[[int], None]
 CRASH_KEY: web.AppKey[CrashFn] = web.AppKey("crash")
 SHUTDOWN_TIMEOUT_S = 2.0
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-
-
-@dataclass(slots=True, eq=False)
-class _Watched:
-    request: web.BaseRequest
-    gone: asyncio.Event
-    stream: RequestStream | None = None
-
-
-class DisconnectWatcher:
-    """Polls in-flight requests' connections; a vanished client aborts its request."""
-
-    def __init__(self, twin: Twin) -> None:
-        self._twin = twin
-        self._watched: dict[int, _Watched] = {}  # by id() of the request
-
-    def watch(self, request: web.BaseRequest) -> _Watched:
-        entry = _Watched(request, asyncio.Event())
-        self._watched[id(request)] = entry
-        return entry
-
-    def unwatch(self, request: web.BaseRequest) -> None:
-        self._watched.pop(id(request), None)
-
-    def check(self) -> None:
-        for key, entry in list(self._watched.items()):
-            transport = entry.request.transport
-            if transport is None or transport.is_closing():
-                del self._watched[key]
-                self._gone(entry)
-
-    def _gone(self, entry: _Watched) -> None:
-        entry.gone.set()
-        if entry.stream is not None:
-            self._twin.loop.abort(entry.stream)
-
-    async def run(self) -> None:
-        while True:
-            await asyncio.sleep(WATCH_INTERVAL_S)
-            self.check()
 
 
 WATCHER_KEY = web.AppKey("watcher", DisconnectWatcher)
@@ -139,7 +111,7 @@ def _check_model(twin: Twin, model: str | None) -> None:
         raise NotFoundError(f"The model `{model}` does not exist.", param="model", code="404")
 
 
-async def _submit(twin: Twin, gen: GenerationRequest, entry: _Watched) -> RequestStream:
+async def _submit(twin: Twin, gen: GenerationRequest, entry: Watched) -> RequestStream:
     num_out, finish = plan_output(gen, twin.max_model_len)
     stream = await twin.loop.submit(
         gen.prompt_token_ids, num_out, finish, is_notify_each_step=gen.is_stream
@@ -213,7 +185,7 @@ async def _send_stream(
     twin: Twin,
     gen: GenerationRequest,
     stream: RequestStream,
-    entry: _Watched,
+    entry: Watched,
 ) -> web.StreamResponse:
     response = web.StreamResponse(headers=_SSE_HEADERS)
     await response.prepare(request)
@@ -335,7 +307,7 @@ def create_app(
     twin = build_twin(config, timer)
     app = web.Application(middlewares=[error_middleware], client_max_size=64 * 1024**2)
     app[TWIN_KEY] = twin
-    app[WATCHER_KEY] = DisconnectWatcher(twin)
+    app[WATCHER_KEY] = DisconnectWatcher(twin.loop)
     app[CRASH_KEY] = on_crash
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_post("/v1/completions", completions)
@@ -350,26 +322,68 @@ def create_app(
     return app
 
 
+class TwinServer:
+    """A twin served from this event loop on ``config.host:config.port`` (0 picks one).
+
+    ``async with TwinServer(config) as server:`` then use ``server.url``. Used by
+    ``run_twin``, the tests, and anyone who wants a twin in-process. Client
+    disconnects abort requests with or without aiohttp's ``handler_cancellation``
+    (without it, a watcher notices closed connections within 0.2 s).
+    """
+
+    def __init__(
+        self,
+        config: TwinConfig,
+        *,
+        timer: StepTimer | None = None,
+        on_crash: CrashFn = os._exit,
+        handler_cancellation: bool = True,
+    ) -> None:
+        self.config = config
+        self.app = create_app(config, timer=timer, on_crash=on_crash)
+        self._runner = web.AppRunner(
+            self.app,
+            handler_cancellation=handler_cancellation,
+            access_log=None,
+            shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+        )
+        self.url = ""
+
+    @property
+    def twin(self) -> Twin:
+        return self.app[TWIN_KEY]
+
+    async def start(self) -> str:
+        """Bind and serve; returns the base URL (``http://host:port``)."""
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        await site.start()
+        host, port = self._runner.addresses[0][:2]
+        self.url = f"http://{host}:{port}"
+        return self.url
+
+    async def stop(self) -> None:
+        await self._runner.cleanup()
+
+    async def __aenter__(self) -> TwinServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+
 async def serve_twin(config: TwinConfig, stop: asyncio.Event | None = None) -> None:
     """Serve until ``stop`` is set (or SIGINT / SIGTERM when ``stop`` is None)."""
-    app = create_app(config)
-    runner = web.AppRunner(
-        app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S
-    )
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, config.host, config.port)
-        await site.start()
-        host, port = runner.addresses[0][:2]
-        twin = app[TWIN_KEY]
+    async with TwinServer(config) as server:
+        twin = server.twin
         logger.info(
-            "engine twin %s (%s on %d x %s) listening on http://%s:%d",
+            "engine twin %s (%s on %d x %s) listening on %s",
             twin.model_name,
             config.model,
             config.tp,
             config.gpu,
-            host,
-            port,
+            server.url,
         )
         if stop is None:
             stop = asyncio.Event()
@@ -377,8 +391,6 @@ async def serve_twin(config: TwinConfig, stop: asyncio.Event | None = None) -> N
                 asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         await stop.wait()
         logger.info("engine twin shutting down")
-    finally:
-        await runner.cleanup()
 
 
 def run_twin(config: TwinConfig) -> int:

@@ -36,16 +36,19 @@ from kiloserve.engine.sequence import Sequence
 from kiloserve.plan.memory import plan_memory
 
 __all__ = [
+    "DisconnectWatcher",
     "EngineCoreLike",
     "RequestStream",
     "Twin",
     "TwinConfig",
     "TwinLoop",
+    "Watched",
     "build_twin",
 ]
 
 logger = logging.getLogger(__name__)
 
+WATCH_INTERVAL_S = 0.2
 MAX_CATCHUP_S = 0.25
 YIELD_EVERY_S = 0.005
 IDLE_POLL_S = 0.05
@@ -101,6 +104,53 @@ class RequestStream:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+
+class _HasTransport(Protocol):
+    @property
+    def transport(self) -> asyncio.BaseTransport | None: ...
+
+
+@dataclass(slots=True, eq=False)
+class Watched:
+    """An in-flight HTTP request: its connection, a gone-event and its stream."""
+
+    request: _HasTransport
+    gone: asyncio.Event
+    stream: RequestStream | None = None
+
+
+class DisconnectWatcher:
+    """Polls in-flight requests' connections; a vanished client aborts its request."""
+
+    def __init__(self, loop: TwinLoop) -> None:
+        self._loop = loop
+        self._watched: dict[int, Watched] = {}  # by id() of the request
+
+    def watch(self, request: _HasTransport) -> Watched:
+        entry = Watched(request, asyncio.Event())
+        self._watched[id(request)] = entry
+        return entry
+
+    def unwatch(self, request: _HasTransport) -> None:
+        self._watched.pop(id(request), None)
+
+    def check(self) -> None:
+        for key, entry in list(self._watched.items()):
+            transport = entry.request.transport
+            if transport is None or transport.is_closing():
+                del self._watched[key]
+                self._gone(entry)
+
+    def _gone(self, entry: Watched) -> None:
+        entry.gone.set()
+        if entry.stream is not None:
+            self._loop.abort(entry.stream)
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            self.check()
 
 
 class TwinLoop:

@@ -1,0 +1,375 @@
+"""The engine twin's HTTP API, served for real on 127.0.0.1 (only the GPU is modelled)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kiloserve.engine.faults import FaultSet
+from kiloserve.engine.protocol import natural_output_tokens, output_text, render_chat
+from kiloserve.engine.server import TwinServer
+from kiloserve.engine.twin import TwinConfig
+from kiloserve.tokens import count_tokens, tokenize
+
+PROMPT = "the fast node runs all load for the team"
+
+
+class FixedStepTimer:
+    """A GPU whose every step takes ``step_s`` (so token spacing is known exactly)."""
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s = step_s
+
+    def step_time_s(self, prefill: Sequence[tuple[int, int]], decode: Sequence[int]) -> float:
+        return self.step_s
+
+    def decode_steps_time_s(self, decode_contexts: Sequence[int], num_steps: int) -> float:
+        return self.step_s * num_steps
+
+
+def _config(**kwargs: Any) -> TwinConfig:
+    base: dict[str, Any] = {"gpu": "H100-SXM", "model": "llama-3.1-8b", "port": 0}
+    base.update(kwargs)
+    return TwinConfig(**base)
+
+
+@pytest.fixture
+async def twin() -> AsyncIterator[TwinServer]:
+    async with TwinServer(_config(api_overhead_s=0.0)) as server:
+        yield server
+
+
+def _client(server: TwinServer) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+async def _metrics(url: str) -> dict[str, float]:
+    """Samples of ``/metrics`` keyed by ``name{label=value,...}`` (labels sorted)."""
+    async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as resp:
+        text = await resp.text()
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            samples[f"{s.name}{{{labels}}}"] = s.value
+    return samples
+
+
+def _key(name: str, **extra: str) -> str:
+    """Sample key as ``_metrics`` builds it: the twin's labels plus ``extra``, sorted."""
+    labels = {"engine": "0", "model_name": "Llama-3.1-8B", **extra}
+    return name + "{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}"
+
+
+async def test_completion_non_stream_with_openai_client(twin: TwinServer) -> None:
+    async with _client(twin) as client:
+        out = await client.completions.create(model="Llama-3.1-8B", prompt=PROMPT, max_tokens=7)
+    assert out.object == "text_completion"
+    assert out.model == "Llama-3.1-8B"
+    assert out.choices[0].finish_reason == "length"
+    assert out.choices[0].text == output_text(7)
+    assert out.usage is not None
+    assert out.usage.prompt_tokens == count_tokens(PROMPT)
+    assert out.usage.completion_tokens == 7
+    assert out.usage.total_tokens == count_tokens(PROMPT) + 7
+    assert len(tokenize(out.choices[0].text)) == 7
+
+
+async def test_chat_stream_with_usage(twin: TwinServer) -> None:
+    messages: Any = [{"role": "user", "content": PROMPT}]
+    async with _client(twin) as client:
+        stream = await client.chat.completions.create(
+            model="Llama-3.1-8B",
+            messages=messages,
+            max_completion_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [chunk async for chunk in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == output_text(5)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and set(finishes[:-1]) == {None}
+    assert chunks[-1].choices == []
+    usage = chunks[-1].usage
+    assert usage is not None
+    assert usage.prompt_tokens == len(tokenize(render_chat(messages)))
+    assert usage.completion_tokens == 5
+    assert {c.id for c in chunks} == {chunks[0].id} and chunks[0].id.startswith("chatcmpl-")
+
+
+async def test_completion_stream_and_chat_non_stream(twin: TwinServer) -> None:
+    async with _client(twin) as client:
+        stream = await client.completions.create(
+            model="Llama-3.1-8B", prompt=PROMPT, max_tokens=4, stream=True
+        )
+        texts = [c.choices[0].text async for c in stream]
+        chat = await client.chat.completions.create(
+            model="Llama-3.1-8B", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+        )
+    assert "".join(texts) == output_text(4) and len(texts) == 4
+    assert chat.choices[0].message.content == output_text(3)
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.usage is not None and chat.usage.completion_tokens == 3
+
+
+async def test_natural_length_without_max_tokens() -> None:
+    config = _config(max_model_len=400, api_overhead_s=0.0, faults=FaultSet(slowdown=0.05))
+    async with TwinServer(config) as server, _client(server) as client:
+        natural = await client.completions.create(model="Llama-3.1-8B", prompt=PROMPT)
+        capped = await client.completions.create(
+            model="Llama-3.1-8B", prompt=PROMPT, extra_body={"ignore_eos": True}
+        )
+    expected = natural_output_tokens(tokenize(PROMPT))
+    assert natural.usage is not None and natural.usage.completion_tokens == expected
+    assert natural.choices[0].finish_reason == "stop"
+    assert capped.usage is not None
+    assert capped.usage.completion_tokens == 400 - count_tokens(PROMPT)
+    assert capped.choices[0].finish_reason == "length"
+
+
+async def test_info_endpoints(twin: TwinServer) -> None:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(twin.url + "/health") as resp:
+            assert resp.status == 200 and await resp.read() == b""
+        async with session.get(twin.url + "/v1/models") as resp:
+            card = (await resp.json())["data"][0]
+        assert card["id"] == "Llama-3.1-8B" and card["owned_by"] == "kiloserve"
+        assert card["max_model_len"] == 131072
+        async with session.get(twin.url + "/version") as resp:
+            assert "version" in await resp.json()
+        async with session.post(twin.url + "/tokenize", json={"prompt": PROMPT}) as resp:
+            tok = await resp.json()
+        assert tok == {"count": 9, "max_model_len": 131072, "tokens": tokenize(PROMPT)}
+        messages = [{"role": "user", "content": PROMPT}]
+        async with session.post(twin.url + "/tokenize", json={"messages": messages}) as resp:
+            assert (await resp.json())["count"] == len(tokenize(render_chat(messages)))
+
+
+async def test_served_name_and_case_insensitive_catalog() -> None:
+    config = _config(model="LLAMA-3.1-8B", gpu="h100-sxm", served_model_name="my-llama")
+    async with TwinServer(config) as server, _client(server) as client:
+        models = await client.models.list()
+        assert [m.id for m in models.data] == ["my-llama"]
+        with pytest.raises(openai.NotFoundError):
+            await client.completions.create(model="Llama-3.1-8B", prompt="x", max_tokens=1)
+
+
+async def test_metrics_follow_vllm_names(twin: TwinServer) -> None:
+    async with _client(twin) as client:
+        for _ in range(3):
+            await client.completions.create(model="Llama-3.1-8B", prompt=PROMPT, max_tokens=6)
+    m = await _metrics(twin.url)
+    assert m[_key("vllm:prompt_tokens_total")] == 3 * count_tokens(PROMPT)
+    assert m[_key("vllm:generation_tokens_total")] == 18
+    assert m[_key("vllm:request_success_total", finished_reason="length")] == 3
+    assert m[_key("vllm:request_success_total", finished_reason="abort")] == 0
+    assert m[_key("vllm:time_to_first_token_seconds_count")] == 3
+    assert m[_key("vllm:inter_token_latency_seconds_count")] == 15
+    assert m[_key("vllm:e2e_request_latency_seconds_count")] == 3
+    assert m[_key("vllm:time_to_first_token_seconds_bucket", le="2560.0")] == 3
+    assert m[_key("vllm:num_requests_running")] == 0
+    assert m[_key("vllm:kv_cache_usage_perc")] == 0
+    # the same prompt three times: later requests hit the prefix cache
+    assert m[_key("vllm:prefix_cache_queries_total")] > 0
+    assert _key("vllm:num_preemptions_total") in m
+    assert "kiloserve_twin_loop_lag_seconds{}" in m
+
+
+async def _read_events(resp: aiohttp.ClientResponse, num_events: int) -> list[bytes]:
+    events: list[bytes] = []
+    buffer = b""
+    while len(events) < num_events:
+        buffer += await resp.content.readany()
+        *done, buffer = buffer.split(b"\n\n")
+        events.extend(done)
+    return events
+
+
+async def _wait_for(url: str, key: str, value: float, timeout_s: float = 3.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = await _metrics(url)
+        if m.get(key) == value or time.monotonic() > deadline:
+            return m
+        await asyncio.sleep(0.05)
+
+
+@pytest.fixture(params=[True, False], ids=["cancel-handler", "watcher-only"])
+async def twin_any(request: pytest.FixtureRequest) -> AsyncIterator[TwinServer]:
+    """A twin with and without aiohttp's handler cancellation on disconnect."""
+    config = _config(api_overhead_s=0.0)
+    async with TwinServer(config, handler_cancellation=request.param) as server:
+        yield server
+
+
+async def test_stream_disconnect_aborts_and_frees_blocks(twin_any: TwinServer) -> None:
+    twin = twin_any
+    body = {"prompt": PROMPT * 40, "max_tokens": 5000, "stream": True}
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(twin.url + "/v1/completions", json=body)
+        await _read_events(resp, 3)
+        m = await _metrics(twin.url)
+        assert m[_key("vllm:num_requests_running")] == 1
+        assert m[_key("vllm:kv_cache_usage_perc")] > 0
+        resp.close()  # drop the connection mid-stream
+    abort_key = _key("vllm:request_success_total", finished_reason="abort")
+    m = await _wait_for(twin.url, abort_key, 1)
+    assert m[abort_key] == 1
+    assert m[_key("vllm:num_requests_running")] == 0
+    assert m[_key("vllm:kv_cache_usage_perc")] == 0
+    assert m[_key("vllm:generation_tokens_total")] < 5000
+
+
+async def test_non_stream_disconnect_aborts(twin_any: TwinServer) -> None:
+    twin = twin_any
+    body = {"prompt": PROMPT, "max_tokens": 5000}
+    async with aiohttp.ClientSession() as session:
+        with pytest.raises(TimeoutError):
+            timeout = aiohttp.ClientTimeout(total=0.3)
+            await session.post(twin.url + "/v1/completions", json=body, timeout=timeout)
+    abort_key = _key("vllm:request_success_total", finished_reason="abort")
+    m = await _wait_for(twin.url, abort_key, 1)
+    assert m[abort_key] == 1
+    assert m[_key("vllm:num_requests_running")] == 0
+    assert m[_key("vllm:kv_cache_usage_perc")] == 0
+
+
+BAD_INPUTS: list[tuple[str, bytes, int, str | None]] = [
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", b'{"max_tokens": 3}', 400, "prompt"),
+    ("/v1/completions", b'{"prompt": 12}', 400, "prompt"),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": "3"}', 400, "max_tokens"),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": 0}', 400, "max_tokens"),
+    ("/v1/completions", b'{"prompt": "x", "n": 2}', 400, "n"),
+    ("/v1/completions", b'{"prompt": "x", "stream": "yes"}', 400, "stream"),
+    ("/v1/completions", b'{"prompt": "x", "model": "gpt-4"}', 404, "model"),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": 200000}', 400, "max_tokens"),
+    ("/v1/chat/completions", b'{"messages": "hi"}', 400, "messages"),
+    ("/v1/chat/completions", b'{"messages": [{"content": "hi"}]}', 400, "messages[0]"),
+    ("/v1/chat/completions", b'{"model": "x"}', 400, "messages"),
+    ("/tokenize", b'{"prompt": 5}', 400, "prompt"),
+    ("/admin/faults", b'{"slowdwn": 2}', 400, None),
+    ("/v1/nothing", b"{}", 404, None),
+]
+
+
+async def test_bad_inputs_are_4xx_json(twin: TwinServer) -> None:
+    headers = {"Content-Type": "application/json"}
+    async with aiohttp.ClientSession() as session:
+        for path, body, status, param in BAD_INPUTS:
+            async with session.post(twin.url + path, data=body, headers=headers) as resp:
+                assert resp.status == status, (path, body, await resp.text())
+                error = (await resp.json())["error"]
+            assert set(error) == {"message", "type", "param", "code"}
+            assert error["param"] == param, (path, body, error)
+        async with session.get(twin.url + "/v1/completions") as resp:
+            assert resp.status == 405 and "error" in await resp.json()
+        async with session.post(twin.url + "/v1/completions", json={"prompt": "x" * 600_000}) as r:
+            assert r.status == 400  # longer than max_model_len
+    async with _client(twin) as client:
+        with pytest.raises(openai.NotFoundError) as info:
+            await client.completions.create(model="nope", prompt="x", max_tokens=1)
+    assert info.value.status_code == 404
+    assert isinstance(info.value.body, dict) and info.value.body["type"] == "NotFoundError"
+
+
+async def test_tokens_are_spaced_by_modelled_step_times() -> None:
+    step_s = 0.04
+    config = _config(api_overhead_s=0.0)
+    async with TwinServer(config, timer=FixedStepTimer(step_s)) as server:
+        body = {"prompt": PROMPT, "max_tokens": 8, "stream": True}
+        arrivals: list[float] = []
+        async with aiohttp.ClientSession() as session:
+            start_s = time.monotonic()
+            async with session.post(server.url + "/v1/completions", json=body) as resp:
+                buffer = b""
+                async for data in resp.content.iter_any():
+                    buffer += data
+                    while b"\n\n" in buffer:
+                        event, buffer = buffer.split(b"\n\n", 1)
+                        if event != b"data: [DONE]":
+                            arrivals.append(time.monotonic() - start_s)
+    assert len(arrivals) == 8
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
+    # 1 prefill step then 7 decode steps of 40 ms each; loose bounds for a busy CI box
+    assert step_s * 0.7 <= arrivals[0] <= step_s * 3
+    assert all(step_s * 0.5 <= g <= step_s * 2.5 for g in gaps), gaps
+    assert 8 * step_s * 0.9 <= arrivals[-1] <= 8 * step_s * 1.6
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.1)
+    raise AssertionError(f"twin at {url} never became healthy (exit {proc.poll()})")
+
+
+def _engine_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kiloserve", "engine", *args]
+
+
+def test_cli_process_serves_and_stops_on_sigterm(port: int) -> None:
+    cmd = _engine_cmd("--gpu", "H100", "--model", "llama-3.1-8b", "--port", str(port))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}", proc)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0
+    assert f"listening on http://127.0.0.1:{port}" in err.decode()
+    with pytest.raises(ProcessLookupError):
+        os.kill(proc.pid, 0)
+
+
+def test_cli_port_zero_and_crash_fault() -> None:
+    cmd = _engine_cmd("--gpu", "H100-SXM", "--model", "Llama-3.1-8B", "--port", "0")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        assert proc.stderr is not None
+        line = b""
+        deadline = time.monotonic() + 15
+        while b"listening on " not in line and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+        url = line.decode().rsplit("listening on ", 1)[1].strip()
+        _wait_healthy(url, proc)
+        req = urllib.request.Request(url + "/admin/faults", data=b'{"crash": true}', method="POST")
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            assert resp.status == 200
+        assert proc.wait(timeout=10) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.communicate()
+
+
+def test_cli_model_that_does_not_fit_exits_2() -> None:
+    cmd = _engine_cmd("--gpu", "H100", "--model", "qwen2-72b", "--port", "0")
+    done = subprocess.run(cmd, capture_output=True, timeout=30)
+    assert done.returncode == 2
+    assert b"does not fit" in done.stderr.lower() or b"--tp" in done.stderr
