@@ -61,12 +61,6 @@ def build_config(args: argparse.Namespace) -> GatewayConfig:
     return parse_gateway_config(merged.model_dump(), source="gateway flags")
 
 
-def _bound_port(site: web.TCPSite, fallback: int) -> int:
-    server = site._server
-    sockets = getattr(server, "sockets", None) or []
-    return int(sockets[0].getsockname()[1]) if sockets else fallback
-
-
 async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None) -> None:
     """Serve until ``stop`` is set (or SIGINT / SIGTERM)."""
     stop = stop or asyncio.Event()
@@ -79,7 +73,8 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None) -> None:
     try:
         site = web.TCPSite(runner, cfg.host, cfg.port)
         await site.start()
-        url = f"http://{cfg.host}:{_bound_port(site, cfg.port)}"
+        host, port = runner.addresses[0][:2]
+        url = f"http://{host}:{port}"
         logger.info("kiloserve gateway listening on %s", url)
         print(f"kiloserve gateway listening on {url}", flush=True)
         await stop.wait()
