@@ -1,0 +1,131 @@
+"""Parsing one OpenAI SSE stream as bytes arrive, and a digest of the sent workload.
+
+``StreamState.feed(data, now)`` takes whatever one socket read returned and the time it
+returned; events split across reads are reassembled. Only ``data:`` lines matter:
+``[DONE]`` ends the stream, an ``error`` object fails it, a chunk with non-empty
+``choices[0].text`` (completions) or ``choices[0].delta.content`` (chat) is a token
+chunk, and a ``usage`` object gives the exact output token count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import zlib
+from typing import Any
+
+import orjson
+
+from kiloserve.bench.records import RequestRecord
+from kiloserve.workload import RequestSpec
+
+__all__ = ["StreamState", "WorkloadDigest"]
+
+
+class StreamState:
+    """Incremental SSE parser that keeps the ``vllm bench serve`` timestamps."""
+
+    __slots__ = (
+        "_buf",
+        "_is_chat",
+        "_last_s",
+        "_start_s",
+        "error",
+        "is_done",
+        "itl_s",
+        "num_chunks",
+        "ttft_s",
+        "usage_tokens",
+    )
+
+    def __init__(self, start_s: float, *, is_chat: bool) -> None:
+        self._start_s = start_s
+        self._last_s = start_s
+        self._is_chat = is_chat
+        self._buf = b""
+        self.ttft_s: float | None = None
+        self.itl_s: list[float] = []
+        self.num_chunks = 0
+        self.usage_tokens: int | None = None
+        self.error: str | None = None
+        self.is_done = False
+
+    def feed(self, data: bytes, now_s: float) -> None:
+        """Consume one read's bytes, all observed at ``now_s``."""
+        buf = self._buf + data if self._buf else data
+        if b"\n" not in data:
+            self._buf = buf
+            return
+        lines = buf.split(b"\n")
+        self._buf = lines.pop()
+        for line in lines:
+            if line.startswith(b"data:") and not self.is_done:
+                self._event(line[5:].strip(), now_s)
+
+    def finish(self, record: RequestRecord) -> None:
+        """Copy the results into ``record``; a stream without ``[DONE]`` failed."""
+        record.ttft_s = self.ttft_s
+        record.itl_s = self.itl_s
+        record.num_chunks = self.num_chunks
+        record.output_tokens = self.usage_tokens if self.usage_tokens else self.num_chunks
+        if self.error is None and not self.is_done:
+            self.error = "stream ended before [DONE]"
+        record.error = self.error
+        record.is_ok = self.error is None
+
+    def _event(self, payload: bytes, now_s: float) -> None:
+        if payload == b"[DONE]":
+            self.is_done = True
+            return
+        try:
+            event = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            self.error = "bad JSON in stream"
+            self.is_done = True
+            return
+        if not isinstance(event, dict):
+            return
+        if "error" in event:
+            self.error = f"stream error: {str(event['error'])[:200]}"
+            self.is_done = True
+            return
+        if self._has_text(event):
+            self._chunk(now_s)
+        usage = event.get("usage")
+        if usage:
+            self.usage_tokens = int(usage.get("completion_tokens") or 0)
+
+    def _has_text(self, event: dict[str, Any]) -> bool:
+        choices = event.get("choices")
+        if not choices:
+            return False
+        choice = choices[0]
+        if self._is_chat:
+            delta = choice.get("delta") or {}
+            return bool(delta.get("content"))
+        return bool(choice.get("text"))
+
+    def _chunk(self, now_s: float) -> None:
+        if self.ttft_s is None:
+            self.ttft_s = now_s - self._start_s
+        else:
+            self.itl_s.append(now_s - self._last_s)
+        self._last_s = now_s
+        self.num_chunks += 1
+
+
+class WorkloadDigest:
+    """SHA-256 over the sent sequence (ids, arrival times, lengths, prompt CRCs).
+
+    Two runs with equal digests sent identical requests in the same order.
+    """
+
+    def __init__(self) -> None:
+        self._hash = hashlib.sha256()
+
+    def add(self, spec: RequestSpec) -> None:
+        crc = zlib.crc32(spec.prompt.encode())
+        fields = (spec.request_id, repr(spec.arrival_s), spec.input_tokens, spec.output_tokens, crc)
+        self._hash.update(("|".join(map(str, fields)) + "\n").encode())
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()

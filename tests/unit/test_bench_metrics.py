@@ -1,0 +1,162 @@
+"""Metric definitions (vllm bench serve conventions) on hand-built timestamp sequences."""
+
+from __future__ import annotations
+
+import math
+
+import orjson
+import pytest
+
+from kiloserve.bench.metrics import is_good, latency_stats, parse_slo, summarize
+from kiloserve.bench.records import BenchResult, ClientStats, RequestRecord
+from kiloserve.bench.stream import StreamState
+from kiloserve.errors import ConfigError
+
+
+def _chunk(text: str) -> bytes:
+    return b"data: " + orjson.dumps({"choices": [{"index": 0, "text": text}]}) + b"\n\n"
+
+
+def _usage(n: int) -> bytes:
+    return b"data: " + orjson.dumps({"choices": [], "usage": {"completion_tokens": n}}) + b"\n\n"
+
+
+def _record(rid: str, ttft_s: float, itl_s: list[float], n_out: int, backend: str = "b0",
+            ok: bool = True) -> RequestRecord:  # fmt: skip
+    e2e = ttft_s + sum(itl_s)
+    return RequestRecord(
+        request_id=rid, scheduled_s=0.0, start_s=0.0, input_tokens=10, max_tokens=n_out,
+        output_tokens=n_out, ttft_s=ttft_s, itl_s=itl_s, e2e_s=e2e, is_ok=ok, backend=backend,
+        status=200 if ok else 500, error=None if ok else "HTTP 500: boom",
+    )  # fmt: skip
+
+
+def _result(records: list[RequestRecord], duration_s: float = 2.0) -> BenchResult:
+    stats = ClientStats(lag_mean_ms=0.1, lag_p99_ms=0.5, lag_max_ms=1.0, cpu_util=0.1,
+                        max_in_flight=2)  # fmt: skip
+    return BenchResult(records, duration_s, 0.0, stats, {"url": "x"}, {"seed": 3}, "d")
+
+
+def test_stream_state_timestamps_follow_vllm_conventions() -> None:
+    state = StreamState(start_s=10.0, is_chat=False)
+    state.feed(b": ping\n\n", 10.05)  # comments are not tokens
+    state.feed(_chunk("a"), 10.1)  # TTFT = 0.1
+    state.feed(_chunk("")[:-1], 10.2)  # empty text is not a token chunk, split event
+    state.feed(b"\n" + _chunk("b"), 10.3)  # gap 0.2
+    state.feed(_chunk("c") + _chunk("d"), 10.6)  # one read, two chunks: gaps 0.3 and 0.0
+    state.feed(_usage(7) + b"data: [DONE]\n\n", 10.7)
+    record = RequestRecord("r", 0.0, 0.0, 5, 7)
+    state.finish(record)
+    assert record.is_ok
+    assert record.ttft_s == pytest.approx(0.1)
+    assert record.itl_s == pytest.approx([0.2, 0.3, 0.0])
+    assert record.num_chunks == 4
+    assert record.output_tokens == 7  # from usage, not the chunk count
+
+
+def test_stream_state_chat_deltas_and_fallback_count() -> None:
+    state = StreamState(start_s=0.0, is_chat=True)
+    role = {"choices": [{"delta": {"role": "assistant"}}]}
+    state.feed(b"data: " + orjson.dumps(role) + b"\n\n", 0.1)
+    for i, t in enumerate((0.2, 0.25, 0.4)):
+        event = {"choices": [{"delta": {"content": f"w{i}"}}]}
+        state.feed(b"data: " + orjson.dumps(event) + b"\n\n", t)
+    state.feed(b"data: [DONE]\n\n", 0.5)
+    record = RequestRecord("r", None, 0.0, 5, 3)
+    state.finish(record)
+    assert record.ttft_s == pytest.approx(0.2)
+    assert record.itl_s == pytest.approx([0.05, 0.15])
+    assert record.output_tokens == 3  # no usage chunk: count content chunks
+
+
+def test_stream_without_done_or_with_error_fails() -> None:
+    cut = StreamState(0.0, is_chat=False)
+    cut.feed(_chunk("a"), 0.1)
+    record = RequestRecord("r", None, 0.0, 5, 3)
+    cut.finish(record)
+    assert not record.is_ok and record.error == "stream ended before [DONE]"
+    bad = StreamState(0.0, is_chat=False)
+    bad.feed(b'data: {"error": {"message": "overloaded"}}\n\n', 0.1)
+    bad.finish(record)
+    assert not record.is_ok and "overloaded" in (record.error or "")
+
+
+def test_tpot_definition_and_single_token_requests() -> None:
+    r = _record("a", 0.1, [0.02, 0.03, 0.04], 4)
+    assert r.tpot_s == pytest.approx((0.19 - 0.1) / 3)
+    assert _record("b", 0.1, [], 1).tpot_s is None  # TPOT needs > 1 output token
+
+
+def test_latency_stats_percentiles_match_numpy_linear() -> None:
+    stats = latency_stats([1.0, 2.0, 3.0, 4.0, 10.0])
+    assert stats["mean"] == pytest.approx(4.0)
+    assert stats["p50"] == pytest.approx(3.0)
+    assert stats["p90"] == pytest.approx(7.6)  # 4 + 0.6 * (10 - 4)
+    assert stats["p99"] == pytest.approx(9.76)
+    assert stats["std"] == pytest.approx(math.sqrt(10.0))
+    assert latency_stats([])["p95"] is None
+
+
+def test_summarize_throughput_itl_and_failures() -> None:
+    records = [
+        _record("a", 0.1, [0.01, 0.01], 3, "b0"),
+        _record("b", 0.3, [0.05], 2, "b1"),
+        _record("c", 0.2, [], 1, "b1", ok=False),
+    ]
+    s = summarize(_result(records, duration_s=2.0))
+    assert s["requests_ok"] == 2 and s["requests_failed"] == 1
+    assert s["error_rate"] == pytest.approx(1 / 3)
+    assert s["request_throughput"] == pytest.approx(1.0)
+    assert s["output_token_throughput"] == pytest.approx(2.5)
+    ttft = s["ttft_ms"]
+    assert isinstance(ttft, dict) and ttft["mean"] == pytest.approx(200.0)  # failed excluded
+    itl = s["itl_ms"]
+    assert isinstance(itl, dict) and itl["mean"] == pytest.approx((10 + 10 + 50) / 3)
+    tpot = s["tpot_ms"]
+    assert isinstance(tpot, dict) and tpot["p50"] == pytest.approx((10.0 + 50.0) / 2)
+    assert "goodput" not in s
+    assert s["schema_version"] == 1 and s["seed"] == 3
+
+
+def test_goodput_counts_requests_meeting_every_slo() -> None:
+    records = [
+        _record("fast", 0.1, [0.01] * 9, 10),  # ttft 100 ms, tpot 10 ms, e2e 190 ms
+        _record("slow_start", 0.6, [0.01] * 9, 10),  # ttft too high
+        _record("slow_decode", 0.1, [0.08] * 9, 10),  # tpot too high
+        _record("one_token", 0.2, [], 1),  # tpot counts as 0
+        _record("failed", 0.1, [0.01], 2, ok=False),
+    ]
+    slo = parse_slo("ttft=500ms,tpot=50ms")
+    assert [is_good(r, slo) for r in records] == [True, False, False, True, False]
+    s = summarize(_result(records, duration_s=4.0), slo)
+    assert s["goodput"] == pytest.approx(2 / 4.0)
+    assert s["slo"] == {"ttft_ms": 500.0, "tpot_ms": 50.0}
+    assert s["slo_attainment"] == pytest.approx(2 / 5)
+
+
+def test_per_backend_groups_and_p95_std() -> None:
+    records = [_record(f"a{i}", 0.1, [0.01], 2, "b0") for i in range(5)]
+    records += [_record(f"b{i}", 0.3, [0.01], 2, "b1") for i in range(5)]
+    s = summarize(_result(records))
+    per_backend = s["per_backend"]
+    assert isinstance(per_backend, dict) and set(per_backend) == {"b0", "b1"}
+    assert per_backend["b0"]["count"] == 5
+    assert per_backend["b1"]["ttft_ms"]["p95"] == pytest.approx(300.0)
+    # E2E P95s are 110 and 310 ms: population std-dev 100 ms
+    assert s["p95_std_across_backends_ms"] == pytest.approx(100.0)
+    assert s["ttft_p95_std_across_backends_ms"] == pytest.approx(100.0)
+
+
+def test_parse_slo_units_and_errors() -> None:
+    slo = parse_slo("ttft=0.5s, tpot=50, e2e=2000000us")
+    assert (slo.ttft_ms, slo.tpot_ms, slo.e2e_ms) == (500.0, 50.0, 2000.0)
+    for bad in ("ttft=fast", "latency=5ms", "ttft=5ms,ttft=6ms", ""):
+        with pytest.raises(ConfigError):
+            parse_slo(bad)
+
+
+def test_client_stats_warns_when_loop_lags() -> None:
+    calm = ClientStats(0.1, 1.0, 2.0, 0.3, 10)
+    busy = ClientStats(10.0, 45.0, 80.0, 0.99, 10)
+    assert calm.warning() is None
+    assert "saturated" in (busy.warning() or "")
