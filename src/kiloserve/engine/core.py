@@ -141,6 +141,25 @@ class EngineCore:
             self._max_fast_forward_steps = self.scheduler.max_decode_steps()
         return self._max_fast_forward_steps
 
+    def fast_forward_steps_within(self, max_duration_s: float) -> int:
+        """Most fusable steps whose total modelled time is at most ``max_duration_s``.
+
+        Lets a simulator stop a fast-forward before its next event (binary search over
+        the timer's ``decode_steps_time_s``).
+        """
+        max_steps = self.max_fast_forward_steps()
+        if max_steps == 0:
+            return 0
+        contexts = [seq.num_computed_tokens + 1 for seq in self.scheduler.running]
+        low, high = 0, max_steps
+        while low < high:
+            mid = (low + high + 1) // 2
+            if self.timer.decode_steps_time_s(contexts, mid) <= max_duration_s:
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
     def advance(self, num_steps: int) -> StepResult:
         """Run ``num_steps`` pure decode steps at once; same state and time as single steps."""
         max_steps = self.max_fast_forward_steps()

@@ -74,13 +74,22 @@ class Scheduler:
         return min(num_tokens, token_budget)
 
     def _schedule_running(self, batch: ScheduledBatch, token_budget: int) -> int:
+        manager = self.block_manager
+        size = self.config.block_size
+        running = self.running
         index = 0
-        while index < len(self.running) and token_budget > 0:
-            seq = self.running[index]
-            num_new = self._chunk(seq.num_tokens - seq.num_computed_tokens, token_budget)
-            if not self._make_room(seq, num_new, batch):
-                break  # seq itself was preempted; everything after it is gone too
-            self.block_manager.may_append(seq, num_new)
+        while index < len(running) and token_budget > 0:
+            seq = running[index]
+            computed = seq.num_computed_tokens
+            num_new = seq.num_tokens - computed
+            if num_new == 1 and computed < len(seq.block_table) * size:
+                if (computed + 1) % size == 0:  # fast path: one token, no new block
+                    manager.register_full_blocks(seq, computed + 1)
+            else:
+                num_new = self._chunk(num_new, token_budget)
+                if not self._make_room(seq, num_new, batch):
+                    break  # seq itself was preempted; everything after it is gone too
+                manager.may_append(seq, num_new)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(num_new)
             token_budget -= num_new
@@ -128,11 +137,12 @@ class Scheduler:
         """Advance computed tokens, emit output tokens; return the sequences that finished."""
         finished: list[Sequence] = []
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            seq.num_computed_tokens += num_new
-            if seq.num_computed_tokens < seq.num_tokens:
+            computed = seq.num_computed_tokens + num_new
+            seq.num_computed_tokens = computed
+            if computed < seq.num_tokens:
                 continue  # mid-prefill chunk: no token yet
-            seq.append_output_tokens(1)
-            if seq.num_remaining_output_tokens == 0:
+            seq.append_output_token()
+            if len(seq.output_token_ids) == seq.max_tokens:
                 finished.append(seq)
         self.finish(finished, None)
         return finished

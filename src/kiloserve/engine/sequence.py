@@ -8,12 +8,13 @@ the prefix cache can reuse them. Timestamps are the caller's business.
 
 from __future__ import annotations
 
+import struct
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 
-from kiloserve.tokens import FILLER_WORDS, block_hashes, tokenize
+from kiloserve.tokens import FILLER_WORDS, tokenize
 
 __all__ = [
     "Sequence",
@@ -45,9 +46,7 @@ def output_token_id(index: int) -> int:
 
 def chain_block_hash(prev_hash: int, block_token_ids: list[int]) -> int:
     """Extend a chained hash by one full block (same formula as ``tokens.block_hashes``)."""
-    data = prev_hash.to_bytes(8, "little") + b"".join(
-        t.to_bytes(4, "little") for t in block_token_ids
-    )
+    data = struct.pack(f"<Q{len(block_token_ids)}I", prev_hash, *block_token_ids)
     return zlib.crc32(data) | (zlib.adler32(data) << 32)
 
 
@@ -76,9 +75,12 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0  # leading blocks of block_table registered in the cache
     block_size: int = 16
+    num_tokens: int = field(init=False, default=0)  # prompt + output, kept for speed
 
     def __post_init__(self) -> None:
-        self.block_hashes = block_hashes(self.prompt_token_ids, self.block_size)
+        self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
+        self.block_hashes = []
+        self._hash_new_blocks()
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -87,10 +89,6 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def num_remaining_output_tokens(self) -> int:
@@ -105,30 +103,47 @@ class Sequence:
         """Prompt done and only the last generated token left to compute."""
         return bool(self.output_token_ids) and self.num_computed_tokens == self.num_tokens - 1
 
+    def append_output_token(self) -> None:
+        """Generate the next output token (the per-step hot path)."""
+        index = len(self.output_token_ids)
+        planned = self.planned_output_token_ids
+        if planned is not None and index < len(planned):
+            self.output_token_ids.append(planned[index])
+        else:
+            self.output_token_ids.append(output_token_id(index))
+        self.num_tokens += 1
+        if self.num_tokens % self.block_size == 0:
+            self._hash_new_blocks()
+
     def append_output_tokens(self, num_tokens: int) -> None:
         """Generate the next ``num_tokens`` output tokens and hash newly full blocks."""
         start = len(self.output_token_ids)
-        self.output_token_ids.extend(self._next_token_ids(start, num_tokens))
+        self.output_token_ids.extend(self._next_token_ids(start, start + num_tokens))
+        self.num_tokens += num_tokens
         self._hash_new_blocks()
 
-    def _next_token_ids(self, start: int, num_tokens: int) -> Iterator[int] | list[int]:
+    def _next_token_ids(self, start: int, stop: int) -> Iterator[int]:
         planned = self.planned_output_token_ids
-        if planned is not None and len(planned) >= start + num_tokens:
-            return planned[start : start + num_tokens]
-        return (output_token_id(i) for i in range(start, start + num_tokens))
+        num_planned = 0 if planned is None else len(planned)
+        if planned is not None and start < num_planned:
+            yield from planned[start : min(stop, num_planned)]
+            start = num_planned
+        for index in range(start, stop):
+            yield output_token_id(index)
 
     def _hash_new_blocks(self) -> None:
         size = self.block_size
-        num_full = self.num_tokens // size
-        num_prompt = len(self.prompt_token_ids)
-        while len(self.block_hashes) < num_full:
-            begin = len(self.block_hashes) * size
-            if begin >= num_prompt:
-                chunk = self.output_token_ids[begin - num_prompt : begin - num_prompt + size]
+        prompt, output = self.prompt_token_ids, self.output_token_ids
+        num_prompt = len(prompt)
+        hashes = self.block_hashes
+        prev = hashes[-1] if hashes else 0
+        for begin in range(len(hashes) * size, self.num_tokens - size + 1, size):
+            end = begin + size
+            if end <= num_prompt:
+                chunk = prompt[begin:end]
+            elif begin >= num_prompt:
+                chunk = output[begin - num_prompt : end - num_prompt]
             else:
-                chunk = (
-                    self.prompt_token_ids[begin:]
-                    + self.output_token_ids[: begin + size - num_prompt]
-                )
-            prev = self.block_hashes[-1] if self.block_hashes else 0
-            self.block_hashes.append(chain_block_hash(prev, chunk))
+                chunk = prompt[begin:] + output[: end - num_prompt]
+            prev = chain_block_hash(prev, chunk)
+            hashes.append(prev)

@@ -1,0 +1,271 @@
+"""EngineCore: request checks, abort, stats, and advance(k) == k x step()."""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import pytest
+
+from kiloserve.engine.config import EngineConfig
+from kiloserve.engine.core import EngineCore, StepResult
+from kiloserve.engine.sequence import Sequence
+from kiloserve.errors import ConfigError, KiloserveError, RequestError
+
+BS = 4
+
+
+class LinearTimer:
+    """Test double of the step-time model: integer microseconds, summed in closed form."""
+
+    def step_time_s(self, prefill: Seq[tuple[int, int]], decode_contexts: Seq[int]) -> float:
+        prefill_us = sum(7 * new + 3 * computed for new, computed in prefill)
+        return float(1000 + prefill_us + sum(decode_contexts) + 50 * len(decode_contexts))
+
+    def decode_steps_time_s(self, decode_contexts: Seq[int], num_steps: int) -> float:
+        batch = len(decode_contexts)
+        per_step = 1000 + sum(decode_contexts) + 50 * batch
+        return float(num_steps * per_step + batch * num_steps * (num_steps - 1) // 2)
+
+
+def make_core(**overrides: Any) -> EngineCore:
+    values: dict[str, Any] = {
+        "num_blocks": 101,
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 64,
+        "max_model_len": 256,
+        "block_size": BS,
+    }
+    values.update(overrides)
+    return EngineCore(EngineConfig(**values), LinearTimer())
+
+
+def make_seq(seq_id: str, num_prompt: int, max_tokens: int, base: int = 0) -> Sequence:
+    return Sequence(seq_id, list(range(base, base + num_prompt)), max_tokens, block_size=BS)
+
+
+@pytest.mark.parametrize(
+    ("num_prompt", "max_tokens", "message"),
+    [
+        (0, 4, "prompt must not be empty"),
+        (4, 0, "max_tokens must be at least 1"),
+        (200, 57, "maximum context length is 256"),
+        (10, 8, "needs 5 KV blocks but the engine has 4"),
+    ],
+)
+def test_add_rejects_requests_that_can_never_run(
+    num_prompt: int, max_tokens: int, message: str
+) -> None:
+    core = make_core(num_blocks=5)
+    with pytest.raises(RequestError, match=message):
+        core.add(make_seq("r", num_prompt, max_tokens))
+    assert not core.has_unfinished()
+
+
+def test_request_that_exactly_fits_runs_alone_without_preemption() -> None:
+    core = make_core(num_blocks=5)
+    seq = make_seq("r", 10, 7)  # 16 tokens ever in KV: 4 blocks, all there is
+    core.add(seq)
+    with pytest.raises(RequestError, match="duplicate"):
+        core.add(make_seq("r", 1, 1))
+    while core.has_unfinished():
+        core.step()
+    assert seq.finish_reason == "length" and seq.num_output_tokens == 7
+    assert core.num_preemptions_total == 0
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ConfigError, match="max_num_batched_tokens"):
+        EngineConfig(num_blocks=10, max_num_seqs=64, max_num_batched_tokens=32, max_model_len=64)
+    with pytest.raises(ConfigError, match="num_blocks"):
+        EngineConfig(num_blocks=1, max_num_seqs=1, max_num_batched_tokens=32, max_model_len=64)
+    with pytest.raises(ConfigError, match="block_size"):
+        EngineConfig(
+            num_blocks=9, max_num_seqs=1, max_num_batched_tokens=32, max_model_len=64, block_size=0
+        )
+
+
+def test_step_results_and_stats() -> None:
+    core = make_core(max_num_batched_tokens=8)
+    a = Sequence("a", list(range(6)), 2, stop_reason="stop", block_size=BS)
+    core.add(a)
+    core.add(make_seq("b", 6, 3, base=100))
+    assert (core.num_waiting, core.num_running) == (2, 0)
+    first = core.step()
+    assert first == StepResult(
+        duration_s=1000 + 7 * 8, num_steps=1, new_tokens={"a": 1}, num_prefill_tokens=8
+    )
+    assert (core.num_waiting, core.num_running, core.num_free_blocks) == (0, 2, 97)
+    assert core.kv_usage == pytest.approx(3 / 100)
+    second = core.step()  # a decodes over 7 tokens, b prefills 4 over 2
+    assert second.duration_s == 1000 + 7 + 50 + 7 * 4 + 3 * 2
+    assert second.new_tokens == {"a": 1, "b": 1}
+    assert [s.seq_id for s in second.finished] == ["a"]
+    assert (second.num_prefill_tokens, second.num_decode_tokens) == (4, 1)
+    assert a.finish_reason == "stop"
+    assert core.get_seq("a") is None and core.get_seq("b") is not None
+    assert (core.prefix_cache_queries_tokens, core.prefix_cache_hits_tokens) == (12, 0)
+    assert core.num_blocks == 101
+
+
+def test_idle_step_does_nothing() -> None:
+    core = make_core()
+    assert core.step() == StepResult(duration_s=0.0, num_steps=0)
+    assert core.max_fast_forward_steps() == 0
+
+
+def test_abort_frees_blocks_now() -> None:
+    core = make_core()
+    core.add(make_seq("a", 9, 5))
+    core.step()
+    assert core.num_free_blocks == 97
+    seq = core.abort("a")
+    assert seq is not None and seq.finish_reason == "abort"
+    assert core.num_free_blocks == 100 and not core.has_unfinished()
+    assert core.abort("a") is None
+    assert core.get_seq("a") is None
+
+
+def test_max_fast_forward_steps_limits() -> None:
+    core = make_core(num_blocks=9, max_num_seqs=2)
+    core.add(make_seq("a", 6, 20))
+    core.add(make_seq("b", 6, 10, base=100))
+    assert core.max_fast_forward_steps() == 0  # prefill pending
+    core.step()
+    # a: 6 computed, 1 token out; b: 6 computed, 1 out; 4 blocks used, 4 free.
+    # b finishes after 9 more steps; blocks last until 8 + 8 = 16 tokens each (14 steps)
+    assert core.max_fast_forward_steps() == 9
+    core.add(make_seq("c", 3, 1, base=200))  # running is full: c cannot be admitted
+    assert core.max_fast_forward_steps() == 9
+    with pytest.raises(KiloserveError, match="at most 9"):
+        core.advance(10)
+    result = core.advance(9)
+    assert result.num_steps == 9 and [s.seq_id for s in result.finished] == ["b"]
+    assert result.new_tokens == {"a": 9, "b": 9}
+    assert core.max_fast_forward_steps() == 0  # c can now be admitted
+    assert core.step().new_tokens == {"a": 1, "c": 1}
+
+
+def test_waiting_head_short_of_blocks_does_not_stop_fast_forward() -> None:
+    core = make_core(num_blocks=9, max_num_seqs=4)
+    core.add(make_seq("a", 6, 20))
+    core.step()
+    core.add(make_seq("big", 30, 2, base=100))  # needs 8 blocks, 6 are free
+    # a holds 2 blocks; its 19 remaining steps need 5 more (25 tokens), 6 are free
+    assert core.max_fast_forward_steps() == 19
+
+
+def test_fast_forward_steps_within_a_time_budget() -> None:
+    core = make_core()
+    core.add(make_seq("a", 6, 20))
+    core.step()
+    # step j (from 0) of the lone decode costs 1000 + (7 + j) + 50 microseconds
+    assert core.max_fast_forward_steps() == 19
+    assert core.fast_forward_steps_within(1057.0 + 1058.0) == 2
+    assert core.fast_forward_steps_within(1057.0 + 1058.0 - 1.0) == 1
+    assert core.fast_forward_steps_within(1000.0) == 0
+    assert core.fast_forward_steps_within(1e9) == 19
+
+
+def test_max_fast_forward_steps_stops_before_blocks_run_out() -> None:
+    core = make_core(num_blocks=6)  # 5 usable blocks
+    core.add(make_seq("a", 6, 12))
+    core.add(make_seq("b", 6, 12, base=100))
+    core.step()
+    # 4 blocks held, 1 free: a takes it at 9 computed tokens (its 3rd step), then b
+    # would need one too at its 3rd step
+    assert core.max_fast_forward_steps() == 2
+    core.advance(2)
+    assert core.max_fast_forward_steps() == 0
+    result = core.step()
+    assert result.num_preempted == 1
+
+
+def test_waiting_head_that_fits_blocks_fast_forward() -> None:
+    core = make_core(max_num_batched_tokens=8)
+    core.add(make_seq("a", 4, 10))
+    core.step()
+    assert core.max_fast_forward_steps() == 9
+    core.add(make_seq("b", 20, 2, base=100))
+    assert core.max_fast_forward_steps() == 0
+
+
+def snapshot(core: EngineCore) -> dict[str, Any]:
+    sched = core.scheduler
+
+    def seq_state(seq: Sequence) -> dict[str, Any]:
+        return {name: copy.deepcopy(getattr(seq, name)) for name in Sequence.__slots__}
+
+    return {
+        "manager": copy.deepcopy(vars(sched.block_manager)),
+        "waiting": [seq_state(s) for s in sched.waiting],
+        "running": [seq_state(s) for s in sched.running],
+        "preemptions": sched.num_preemptions_total,
+    }
+
+
+def random_seq(rng: random.Random, index: int, prefixes: list[list[int]]) -> Sequence:
+    prompt = rng.choice(prefixes)[: rng.randint(1, 24)] + [
+        rng.randrange(1000) for _ in range(rng.randint(0, 9))
+    ]
+    max_tokens = rng.randint(1, 40)
+    planned = [rng.randrange(50) for _ in range(max_tokens)] if rng.random() < 0.3 else None
+    return Sequence(
+        f"r{index}", prompt, max_tokens, planned_output_token_ids=planned, block_size=BS
+    )
+
+
+def run_pair(seed: int) -> tuple[int, int]:
+    """Drive a single-stepped and a fast-forwarded engine with the same arrivals."""
+    rng = random.Random(seed)
+    config = {
+        "num_blocks": rng.randint(18, 40),
+        "max_num_seqs": rng.randint(2, 8),
+        "max_num_batched_tokens": rng.choice([8, 16, 64]),
+        "long_prefill_token_threshold": rng.choice([0, 0, 5]),
+        "enable_prefix_caching": rng.random() < 0.8,
+    }
+    single, fused = make_core(**config), make_core(**config)
+    prefixes = [[rng.randrange(20) for _ in range(24)] for _ in range(3)]
+    num_fused_steps = num_added = 0
+    for _ in range(300):
+        if rng.random() < 0.15:
+            seq = random_seq(rng, num_added, prefixes)
+            num_added += 1
+            try:
+                single.add(seq)
+            except RequestError:
+                continue  # can never fit this config
+            fused.add(copy.deepcopy(seq))
+        max_steps = fused.max_fast_forward_steps()
+        num_steps = rng.randint(1, max_steps) if max_steps else 1
+        expected = [single.step() for _ in range(num_steps)]
+        got = fused.advance(num_steps) if max_steps else fused.step()
+        check_same(expected, got, max_steps > 0)
+        assert snapshot(single) == snapshot(fused)
+        num_fused_steps += num_steps if max_steps else 0
+    return num_fused_steps, num_added
+
+
+def check_same(expected: list[StepResult], got: StepResult, is_fused: bool) -> None:
+    if is_fused:
+        assert all(r.num_prefill_tokens == 0 and r.num_preempted == 0 for r in expected)
+        assert all(not r.finished for r in expected[:-1])
+    assert got.duration_s == sum(r.duration_s for r in expected)
+    tokens: dict[str, int] = {}
+    for r in expected:
+        for seq_id, n in r.new_tokens.items():
+            tokens[seq_id] = tokens.get(seq_id, 0) + n
+    assert got.new_tokens == tokens
+    assert [s.seq_id for s in got.finished] == [s.seq_id for r in expected for s in r.finished]
+    assert got.num_decode_tokens == sum(r.num_decode_tokens for r in expected)
+    assert got.num_prefill_tokens == sum(r.num_prefill_tokens for r in expected)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_advance_equals_single_steps(seed: int) -> None:
+    num_fused_steps, num_added = run_pair(seed)
+    assert num_added > 20
+    assert num_fused_steps > 50  # fast-forward really happened
