@@ -233,6 +233,7 @@ async def test_stream_disconnect_aborts_and_frees_blocks(twin_any: TwinServer) -
     assert m[_key("vllm:num_requests_running")] == 0
     assert m[_key("vllm:kv_cache_usage_perc")] == 0
     assert m[_key("vllm:generation_tokens_total")] < 5000
+    assert twin.twin.loop.num_active == 0
 
 
 async def test_non_stream_disconnect_aborts(twin_any: TwinServer) -> None:
@@ -247,6 +248,7 @@ async def test_non_stream_disconnect_aborts(twin_any: TwinServer) -> None:
     assert m[abort_key] == 1
     assert m[_key("vllm:num_requests_running")] == 0
     assert m[_key("vllm:kv_cache_usage_perc")] == 0
+    assert twin.twin.loop.num_active == 0
 
 
 BAD_INPUTS: list[tuple[str, bytes, int, str | None]] = [
@@ -257,6 +259,7 @@ BAD_INPUTS: list[tuple[str, bytes, int, str | None]] = [
     ("/v1/completions", b'{"prompt": "x", "max_tokens": "3"}', 400, "max_tokens"),
     ("/v1/completions", b'{"prompt": "x", "max_tokens": 0}', 400, "max_tokens"),
     ("/v1/completions", b'{"prompt": "x", "n": 2}', 400, "n"),
+    ("/v1/completions", b'{"prompt": ""}', 400, "prompt"),
     ("/v1/completions", b'{"prompt": "x", "stream": "yes"}', 400, "stream"),
     ("/v1/completions", b'{"prompt": "x", "model": "gpt-4"}', 404, "model"),
     ("/v1/completions", b'{"prompt": "x", "max_tokens": 200000}', 400, "max_tokens"),
@@ -373,3 +376,18 @@ def test_cli_model_that_does_not_fit_exits_2() -> None:
     done = subprocess.run(cmd, capture_output=True, timeout=30)
     assert done.returncode == 2
     assert b"does not fit" in done.stderr.lower() or b"--tp" in done.stderr
+
+
+async def test_api_overhead_delays_first_token() -> None:
+    config = _config(api_overhead_s=0.15)
+    async with TwinServer(config, timer=FixedStepTimer(0.01)) as server:
+        assert server.twin.loop.api_overhead_s == 0.15
+        async with aiohttp.ClientSession() as session:
+            start_s = time.monotonic()
+            body = {"prompt": PROMPT, "max_tokens": 2}
+            async with session.post(server.url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200
+            elapsed_s = time.monotonic() - start_s
+    assert 0.15 + 0.02 <= elapsed_s <= 0.5
+    default = TwinServer(_config())  # the step-time model's figure (calibration.md)
+    assert default.twin.loop.api_overhead_s == pytest.approx(0.015)

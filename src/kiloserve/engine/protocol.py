@@ -165,6 +165,8 @@ def _prompt_ids(prompt: object, tokenize: TokenizeFn) -> list[int]:
 
 
 def _common(body: dict[str, object], kind: RequestKind, ids: list[int]) -> GenerationRequest:
+    if not ids:
+        raise _field_error("prompt", "The prompt cannot be empty")
     _check_n(body)
     max_tokens = _opt_int(body, "max_tokens", 1)
     if kind == "chat":

@@ -237,8 +237,12 @@ async def models(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     twin = request.app[TWIN_KEY]
-    if twin.faults.faults.is_hang:
-        await asyncio.Event().wait()  # a hung engine's health check never answers
+    if twin.faults.faults.is_hang:  # a hung engine's health check never answers
+        watcher = request.app[WATCHER_KEY]
+        try:
+            await watcher.watch(request).gone.wait()
+        finally:
+            watcher.unwatch(request)
     return web.Response(status=200)
 
 

@@ -214,10 +214,6 @@ class TwinLoop:
         seq_id = f"seq-{self._num_requests}"
         stream = RequestStream(seq_id, len(prompt_token_ids), arrival_s, is_notify_each_step)
         self._streams[seq_id] = stream
-        if self.api_overhead_s > 0:
-            await asyncio.sleep(self.api_overhead_s)
-        if stream.is_finished:  # aborted while in the API layer
-            return stream
         seq = Sequence(
             seq_id,
             prompt_token_ids,
@@ -226,7 +222,13 @@ class TwinLoop:
             stop_reason=stop_reason,
             block_size=self._block_size,
         )
-        self._core.add(seq)
+        try:
+            if self.api_overhead_s > 0:
+                await asyncio.sleep(self.api_overhead_s)
+            self._core.add(seq)
+        except BaseException:  # invalid request, or the handler was cancelled
+            self._streams.pop(seq_id, None)
+            raise
         self._wake.set()
         return stream
 
