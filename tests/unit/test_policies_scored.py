@@ -1,0 +1,172 @@
+"""scored: each scorer's values, the weighted total, both pickers, the default mix."""
+
+from __future__ import annotations
+
+import bisect
+import random
+from itertools import accumulate
+from typing import Any
+
+import pytest
+
+from kiloserve.policies import BackendState, ClusterSnapshot, RequestInfo, create_policy
+from kiloserve.policies.scored import ScoredPolicy
+from kiloserve.policies.scorers import SCORERS, ScoringContext
+
+
+def backend(bid: str, **kw: Any) -> BackendState:
+    kw.setdefault("models", frozenset({"m"}))
+    kw.setdefault("num_running", 0)
+    kw.setdefault("num_waiting", 0)
+    kw.setdefault("kv_usage", 0.0)
+    return BackendState(backend_id=bid, **kw)
+
+
+def req(**kw: Any) -> RequestInfo:
+    kw.setdefault("input_tokens", 600)
+    return RequestInfo("r", "m", predicted_output_tokens=400, **kw)
+
+
+def scores(name: str, pool: list[BackendState], **ctx: Any) -> list[float]:
+    return SCORERS[name](ScoringContext(request=req(), pool=pool, **ctx))
+
+
+def test_queue_scorer() -> None:
+    pool = [
+        backend("a", in_flight=64, max_num_seqs=256),
+        backend("b", in_flight=1, scrape_stale=True, max_num_seqs=256),  # unknown: saturated
+        backend("c", num_running=20, num_waiting=12),  # no cap: pool max load (64)
+        backend("d", in_flight=32, effective_weight=0.5, max_num_seqs=256),  # 64 / 256
+        backend("e", in_flight=300, max_num_seqs=256),  # over cap: 0
+    ]
+    assert scores("queue", pool) == pytest.approx([0.75, 0.0, 1 - 32 / 300, 0.75, 0.0])
+
+
+def test_tokens_scorer_counts_this_request() -> None:
+    pool = [
+        backend("a", outstanding_decode_tokens=9000, kv_capacity_tokens=100_000),
+        backend(
+            "b", outstanding_prefill_tokens=4000, effective_weight=0.5, kv_capacity_tokens=100_000
+        ),
+        backend("c", outstanding_decode_tokens=1000),  # no capacity: pool max (10000)
+    ]
+    assert scores("tokens", pool) == pytest.approx([0.9, 0.9, 0.8])
+
+
+def test_kv_latency_weight_session_prefix_scorers() -> None:
+    pool = [
+        backend("a", kv_usage=0.25, ewma_ttft_ms=100.0, group="r0"),
+        backend("b", kv_usage=None, ewma_ttft_ms=200.0, weight=2.0),
+        backend("c", kv_usage=0.5, scrape_stale=True, ewma_ttft_ms=None, effective_weight=0.5),
+    ]
+    assert scores("kv", pool) == pytest.approx([0.75, 0.0, 0.0])
+    # b: 200 ms / weight 2 = 100; c: mean latency 150 / weight 0.5 = 300
+    assert scores("latency", pool) == pytest.approx([1.0, 1.0, 1 / 3])
+    assert scores("weight", pool) == pytest.approx([0.5, 1.0, 0.25])
+    assert scores("session", pool, session_group="r0") == [1.0, 0.0, 0.0]
+    assert scores("session", pool) == [0.0, 0.0, 0.0]
+    depths = {"b": 3, "c": 4}
+    assert scores("prefix", pool, prefix_depths=depths, num_prefix_blocks=4) == [0.0, 0.75, 1.0]
+    assert scores("latency", [backend("x"), backend("y")]) == [1.0, 1.0]
+
+
+def test_max_picker_weighted_total_and_tie_break() -> None:
+    policy = create_policy(
+        "scored", {"scorers": {"kv": 1.0, "weight": 3.0}, "include_scores": True}
+    )
+    s = ClusterSnapshot(
+        0.0,
+        (
+            backend("a", kv_usage=0.5, effective_weight=0.5),  # (0.5 + 3 * 0.5) / 4 = 0.5
+            backend("b", kv_usage=0.6),  # (0.4 + 3) / 4 = 0.85
+            backend("c", kv_usage=0.6),  # tie with b: snapshot order
+        ),
+    )
+    decision = policy.choose(req(), s, random.Random(0))
+    assert decision.ranked == ("b", "c", "a")
+    assert decision.scores == pytest.approx({"a": 0.5, "b": 0.85, "c": 0.85})
+
+
+def test_weighted_random_picker_follows_rng() -> None:
+    policy = create_policy("scored", {"scorers": {"kv": 1.0}, "picker": "weighted_random"})
+    s = ClusterSnapshot(0.0, (backend("a", kv_usage=0.5), backend("b", kv_usage=1.0), backend("c")))
+    cumulative = list(accumulate([0.5, 0.0, 1.0]))
+    ref, rng = random.Random(4), random.Random(4)
+    expected = ["abc"[bisect.bisect_right(cumulative, ref.random() * 1.5)] for _ in range(40)]
+    got = [policy.choose(req(), s, rng) for _ in range(40)]
+    assert [d.ranked[0] for d in got] == expected
+    assert all(d.ranked[1:] == tuple(x for x in "cab" if x != d.ranked[0]) for d in got)
+
+
+def test_weighted_random_all_zero_falls_back_to_least_load() -> None:
+    policy = create_policy("scored", {"scorers": {"kv": 1.0}, "picker": "weighted_random"})
+    s = ClusterSnapshot(0.0, (backend("a", kv_usage=1.0, in_flight=2), backend("b", kv_usage=None)))
+    decision = policy.choose(req(), s, random.Random(0))
+    assert decision.ranked == ("b", "a")
+    assert decision.reason == "all scores zero"
+
+
+def test_zero_weight_scorer_is_not_run() -> None:
+    policy = create_policy("scored", {"scorers": {"kv": 1.0, "prefix": 0.0}})
+    assert isinstance(policy, ScoredPolicy)
+    assert policy.index is None
+
+
+def test_prefix_scorer_learns_in_on_dispatch_and_skips_short_prompts() -> None:
+    policy = create_policy("scored", {"scorers": {"prefix": 1.0, "queue": 0.1}})
+    s = ClusterSnapshot(0.0, (backend("a"), backend("b", in_flight=1, max_num_seqs=100)))
+    long_req = req(prefix_hashes=tuple(range(40)))
+    assert policy.choose(long_req, s, random.Random(0)).ranked[0] == "a"
+    policy.on_dispatch(long_req, "b")
+    assert policy.choose(long_req, s, random.Random(0)).ranked[0] == "b"
+    short = req(prefix_hashes=tuple(range(40)), input_tokens=100)
+    assert policy.choose(short, s, random.Random(0)).ranked[0] == "a"
+
+
+def test_session_scorer_sticks_to_a_group() -> None:
+    policy = create_policy("scored", {"scorers": {"session": 1.0, "queue": 0.1}})
+    s = ClusterSnapshot(0.0, tuple(backend(f"b{i}", group=f"r{i // 2}") for i in range(8)))
+    for i in range(30):
+        r = req(session_key=f"user-{i}")
+        first = policy.choose(r, s, random.Random(0)).ranked[:2]
+        assert first == policy.choose(r, s, random.Random(1)).ranked[:2]
+        assert int(first[0][1:]) // 2 == int(first[1][1:]) // 2  # both from the same rack
+
+
+def test_default_prefers_prefix_holder_until_it_is_loaded() -> None:
+    policy = create_policy("default")
+    r = req(prefix_hashes=tuple(range(50)), input_tokens=800)
+    policy.on_dispatch(r, "b")
+    light = ClusterSnapshot(
+        0.0, (backend("a"), backend("b", in_flight=20, max_num_seqs=256, kv_usage=0.3))
+    )
+    assert policy.choose(r, light, random.Random(0)).ranked == ("b", "a")
+    heavy = ClusterSnapshot(
+        0.0,
+        (backend("a"), backend("b", num_running=250, max_num_seqs=256, kv_usage=0.97)),
+    )
+    assert policy.choose(r, heavy, random.Random(0)).ranked == ("a", "b")
+
+
+def test_default_never_reads_stale_as_idle() -> None:
+    policy = create_policy("default")
+    s = ClusterSnapshot(
+        0.0,
+        (
+            backend("stale", scrape_stale=True),
+            backend("busy", num_running=100, kv_usage=0.5, max_num_seqs=256),
+        ),
+    )
+    assert policy.choose(req(), s, random.Random(0)).ranked[0] == "busy"
+
+
+def test_default_demotes_slow_nodes() -> None:
+    policy = create_policy("default")
+    s = ClusterSnapshot(
+        0.0,
+        (
+            backend("slow", in_flight=40, max_num_seqs=64, effective_weight=0.2),
+            backend("ok", in_flight=40, max_num_seqs=64),
+        ),
+    )
+    assert policy.choose(req(), s, random.Random(0)).ranked == ("ok", "slow")
