@@ -9,9 +9,11 @@ from typing import Any
 
 import pytest
 
+from kiloserve.catalog import get_gpu, get_model
 from kiloserve.engine.config import EngineConfig
-from kiloserve.engine.core import EngineCore, StepResult
+from kiloserve.engine.core import EngineCore, StepResult, StepTimer
 from kiloserve.engine.sequence import Sequence
+from kiloserve.engine.timing import StepTimeModel
 from kiloserve.errors import ConfigError, KiloserveError, RequestError
 
 BS = 4
@@ -30,7 +32,7 @@ class LinearTimer:
         return float(num_steps * per_step + batch * num_steps * (num_steps - 1) // 2)
 
 
-def make_core(**overrides: Any) -> EngineCore:
+def make_core(timer: StepTimer | None = None, **overrides: Any) -> EngineCore:
     values: dict[str, Any] = {
         "num_blocks": 101,
         "max_num_seqs": 8,
@@ -39,7 +41,7 @@ def make_core(**overrides: Any) -> EngineCore:
         "block_size": BS,
     }
     values.update(overrides)
-    return EngineCore(EngineConfig(**values), LinearTimer())
+    return EngineCore(EngineConfig(**values), timer or LinearTimer())
 
 
 def make_seq(seq_id: str, num_prompt: int, max_tokens: int, base: int = 0) -> Sequence:
@@ -217,7 +219,7 @@ def random_seq(rng: random.Random, index: int, prefixes: list[list[int]]) -> Seq
     )
 
 
-def run_pair(seed: int) -> tuple[int, int]:
+def run_pair(seed: int, timer: StepTimer | None = None) -> tuple[int, int]:
     """Drive a single-stepped and a fast-forwarded engine with the same arrivals."""
     rng = random.Random(seed)
     config = {
@@ -227,7 +229,7 @@ def run_pair(seed: int) -> tuple[int, int]:
         "long_prefill_token_threshold": rng.choice([0, 0, 5]),
         "enable_prefix_caching": rng.random() < 0.8,
     }
-    single, fused = make_core(**config), make_core(**config)
+    single, fused = make_core(timer, **config), make_core(timer, **config)
     prefixes = [[rng.randrange(20) for _ in range(24)] for _ in range(3)]
     num_fused_steps = num_added = 0
     for _ in range(300):
@@ -243,17 +245,18 @@ def run_pair(seed: int) -> tuple[int, int]:
         num_steps = rng.randint(1, max_steps) if max_steps else 1
         expected = [single.step() for _ in range(num_steps)]
         got = fused.advance(num_steps) if max_steps else fused.step()
-        check_same(expected, got, max_steps > 0)
+        check_same(expected, got, max_steps > 0, is_exact=timer is None)
         assert snapshot(single) == snapshot(fused)
         num_fused_steps += num_steps if max_steps else 0
     return num_fused_steps, num_added
 
 
-def check_same(expected: list[StepResult], got: StepResult, is_fused: bool) -> None:
+def check_same(expected: list[StepResult], got: StepResult, is_fused: bool, is_exact: bool) -> None:
     if is_fused:
         assert all(r.num_prefill_tokens == 0 and r.num_preempted == 0 for r in expected)
         assert all(not r.finished for r in expected[:-1])
-    assert got.duration_s == sum(r.duration_s for r in expected)
+    total_s = sum(r.duration_s for r in expected)
+    assert got.duration_s == (total_s if is_exact else pytest.approx(total_s, rel=1e-9))
     tokens: dict[str, int] = {}
     for r in expected:
         for seq_id, n in r.new_tokens.items():
@@ -269,3 +272,9 @@ def test_advance_equals_single_steps(seed: int) -> None:
     num_fused_steps, num_added = run_pair(seed)
     assert num_added > 20
     assert num_fused_steps > 50  # fast-forward really happened
+
+
+def test_advance_matches_single_steps_with_the_roofline_timer() -> None:
+    timer = StepTimeModel(get_gpu("H100"), get_model("llama-3.1-8b"))
+    num_fused_steps, _ = run_pair(3, timer)
+    assert num_fused_steps > 50
