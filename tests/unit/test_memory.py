@@ -106,3 +106,5 @@ def test_invalid_settings() -> None:
         plan_memory(gpu, model, gpu_memory_utilization=1.5)
     with pytest.raises(ConfigError, match="tp must be"):
         plan_memory(gpu, model, tp=0)
+    with pytest.raises(ConfigError, match="max_model_len"):
+        plan_memory(gpu, model, max_model_len=0)

@@ -82,16 +82,16 @@ class StepTimeModel:
         self._peak_bandwidth = gpu.bandwidth_tbs * 1e12
         self._bandwidth = self._peak_bandwidth * WEIGHT_BANDWIDTH_EFFICIENCY
         self._fixed_s = STEP_OVERHEAD_S + LAYER_OVERHEAD_S * model.num_layers
-        self._fixed_s += self._allreduce_latency_s()
-        self._allreduce_s_per_token = self._allreduce_s_per_token_()
+        self._fixed_s += self._compute_allreduce_latency_s()
+        self._allreduce_s_per_token = self._compute_allreduce_s_per_token()
 
-    def _allreduce_latency_s(self) -> float:
+    def _compute_allreduce_latency_s(self) -> float:
         if self.tp == 1:
             return 0.0
         num_allreduces = NUM_ALLREDUCES_PER_LAYER * self.model.num_layers
         return num_allreduces * ALLREDUCE_LATENCY_S * math.log2(self.tp)
 
-    def _allreduce_s_per_token_(self) -> float:
+    def _compute_allreduce_s_per_token(self) -> float:
         """Ring all-reduce transfer time per token in the step (0 at TP1)."""
         if self.tp == 1:
             return 0.0

@@ -23,7 +23,6 @@ from kiloserve.catalog import (
     GIB,
     GpuSpec,
     ModelSpec,
-    kv_bytes_per_element,
     normalize_name,
     weight_bytes_per_param,
 )
@@ -35,6 +34,7 @@ __all__ = [
     "QUANT_PREFERENCE",
     "FitSuggestion",
     "MemoryLedger",
+    "build_ledger",
     "plan_memory",
     "smallest_fitting",
 ]
@@ -130,7 +130,11 @@ class FitSuggestion:
     quant: str | None
 
 
-def _validate(model: ModelSpec, tp: int, utilization: float, block_size: int) -> None:
+def _validate(
+    model: ModelSpec, tp: int, utilization: float, block_size: int, max_model_len: int | None
+) -> None:
+    if max_model_len is not None and max_model_len < 1:
+        raise ConfigError(f"max_model_len must be >= 1, got {max_model_len}")
     if tp < 1:
         raise ConfigError(f"tp must be >= 1, got {tp}")
     if model.num_attention_heads % tp:
@@ -154,15 +158,15 @@ def build_ledger(
     max_model_len: int | None = None,
 ) -> MemoryLedger:
     """The ledger without the fit check (``num_kv_blocks`` is 0 when nothing is left)."""
-    _validate(model, tp, gpu_memory_utilization, block_size)
+    _validate(model, tp, gpu_memory_utilization, block_size, max_model_len)
     quant_key, kv_key = normalize_name(quant), normalize_name(kv_dtype)
-    kv_bytes_per_element(kv_key)
     weight_bytes = int(model.num_params * weight_bytes_per_param(quant_key))
-    kv_per_token = model.kv_bytes_per_token_per_gpu(tp, kv_key)
+    weight_bytes_per_gpu = -(-weight_bytes // tp)  # ceil
+    kv_per_token = model.kv_bytes_per_token_per_gpu(tp, kv_key)  # validates kv_dtype
     runtime = RUNTIME_BYTES_TP1 if tp == 1 else RUNTIME_BYTES_PER_GPU_TP
     memory = gpu.memory_bytes
-    free = int(memory * gpu_memory_utilization) - -(-weight_bytes // tp) - ACTIVATION_BYTES
-    free -= runtime
+    usable = int(memory * gpu_memory_utilization)
+    free = usable - weight_bytes_per_gpu - ACTIVATION_BYTES - runtime
     num_blocks = max(0, free // (block_size * kv_per_token))
     return MemoryLedger(
         gpu=gpu,
@@ -173,7 +177,7 @@ def build_ledger(
         gpu_memory_utilization=gpu_memory_utilization,
         block_size=block_size,
         memory_bytes_per_gpu=memory,
-        weight_bytes_per_gpu=-(-weight_bytes // tp),
+        weight_bytes_per_gpu=weight_bytes_per_gpu,
         activation_bytes=ACTIVATION_BYTES,
         runtime_bytes=runtime,
         kv_bytes_per_token_per_gpu=kv_per_token,
