@@ -162,3 +162,22 @@ def test_output_blocks_hash_like_tokens_block_hashes() -> None:
     assert [tokenize(output_word(i))[0] for i in range(60)] == [
         output_token_id(i) for i in range(60)
     ]
+
+
+@pytest.mark.parametrize("planned", [None, [5, 6, 7], list(range(100, 200))])
+def test_fused_output_tokens_equal_single_appends(planned: list[int] | None) -> None:
+    one_by_one = Sequence("a", list(range(5)), 130, planned_output_token_ids=planned, block_size=BS)
+    fused = Sequence("a", list(range(5)), 130, planned_output_token_ids=planned, block_size=BS)
+    for _ in range(130):
+        one_by_one.append_output_token()
+    fused.append_output_tokens(1)
+    fused.append_output_tokens(70)
+    fused.append_output_tokens(59)
+    assert fused.output_token_ids == one_by_one.output_token_ids
+    assert fused.block_hashes == one_by_one.block_hashes
+    assert fused.num_tokens == 135 and len(fused.block_hashes) == 135 // BS
+    expected_head = planned[:130] if planned else []
+    assert fused.output_token_ids[: len(expected_head)] == expected_head
+    assert fused.output_token_ids[len(expected_head) :] == [
+        output_token_id(i) for i in range(len(expected_head), 130)
+    ]

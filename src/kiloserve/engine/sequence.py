@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import struct
 import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -26,6 +25,10 @@ __all__ = [
 
 _WORD_STRIDE = 31
 _OUTPUT_WORD_IDS: tuple[int, ...] = tuple(tokenize(" " + word)[0] for word in FILLER_WORDS)
+# output_token_id(i) repeats with period len(FILLER_WORDS); one period, in order
+_OUTPUT_ID_CYCLE: tuple[int, ...] = tuple(
+    _OUTPUT_WORD_IDS[(i * _WORD_STRIDE) % len(_OUTPUT_WORD_IDS)] for i in range(len(FILLER_WORDS))
+)
 
 
 class SequenceStatus(Enum):
@@ -122,14 +125,16 @@ class Sequence:
         self.num_tokens += num_tokens
         self._hash_new_blocks()
 
-    def _next_token_ids(self, start: int, stop: int) -> Iterator[int]:
+    def _next_token_ids(self, start: int, stop: int) -> list[int]:
         planned = self.planned_output_token_ids
-        num_planned = 0 if planned is None else len(planned)
-        if planned is not None and start < num_planned:
-            yield from planned[start : min(stop, num_planned)]
-            start = num_planned
-        for index in range(start, stop):
-            yield output_token_id(index)
+        token_ids = planned[start:stop] if planned is not None else []
+        start += len(token_ids)
+        if start < stop:
+            period = len(_OUTPUT_ID_CYCLE)
+            offset = start % period
+            num_periods = (offset + stop - start) // period + 1
+            token_ids += (_OUTPUT_ID_CYCLE * num_periods)[offset : offset + stop - start]
+        return token_ids
 
     def _hash_new_blocks(self) -> None:
         size = self.block_size
