@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Any
 
@@ -12,6 +13,7 @@ from kiloserve.errors import ConfigError
 from kiloserve.policies import (
     BackendState,
     ClusterSnapshot,
+    Outcome,
     Policy,
     RequestInfo,
     available_policies,
@@ -210,3 +212,38 @@ def test_choose_does_not_touch_global_random(name: str) -> None:
     random.seed(123)
     policy.choose(req(), snapshot, random.Random(1))
     assert random.random() == expected
+
+
+def _fleet() -> ClusterSnapshot:
+    return ClusterSnapshot(
+        0.0,
+        tuple(
+            backend(
+                f"b{i}",
+                in_flight=i % 3,
+                num_running=i,
+                kv_usage=0.1 * i,
+                ewma_ttft_ms=100.0 + i,
+                ewma_tpot_ms=20.0 + i,
+                group=f"g{i % 2}",
+                version="v2" if i == 0 else "v1",
+                scrape_stale=i == 4,
+            )
+            for i in range(6)
+        ),
+    )
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_choose_is_pure_and_never_mutates_the_snapshot(name: str) -> None:
+    snapshot = _fleet()
+    before = [dataclasses.asdict(b) for b in snapshot.backends]
+    policy = create_policy(name, PARAMS.get(name))
+    policy.on_dispatch(req(), "b2")
+    rng = random.Random(5)
+    state = rng.getstate()
+    first = policy.choose(req(), snapshot, rng)
+    rng.setstate(state)
+    assert policy.choose(req(), snapshot, rng) == first  # no hidden state moved by choose
+    policy.on_complete(req(), "b2", Outcome(ok=True, ttft_ms=10.0))
+    assert [dataclasses.asdict(b) for b in snapshot.backends] == before

@@ -7,7 +7,7 @@ import random
 from typing import Any
 
 from kiloserve.policies import BackendState, ClusterSnapshot, RequestInfo, create_policy
-from kiloserve.policies.hash_ring import HashRing, stable_hash64
+from kiloserve.policies.hash_ring import HashRing, RingCache, stable_hash64
 
 
 def backend(bid: str, **kw: Any) -> BackendState:
@@ -135,3 +135,14 @@ def test_no_session_key_is_least_load() -> None:
     decision = create_policy("session_affinity").choose(req(None), s, random.Random(0))
     assert decision.ranked == ("b", "c", "a")
     assert decision.reason == "no session key"
+
+
+def test_ring_is_rebuilt_only_when_the_pool_tuple_changes() -> None:
+    backends = (backend("a"), backend("b", group="r1"), backend("c", group="r1"))
+    cache = RingCache(num_vnodes=8)
+    s1 = ClusterSnapshot(0.0, backends)
+    ring = cache.pool_ring(s1, "m")
+    assert cache.pool_ring(s1, "m") is ring
+    assert sorted(ring.walk(0)) == ["a", "r1"]
+    s2 = ClusterSnapshot(0.0, (*backends, backend("d")))
+    assert sorted(cache.pool_ring(s2, "m").walk(0)) == ["a", "d", "r1"]

@@ -64,9 +64,10 @@ class HashRing:
 class RingCache:
     """Keeps the rings of the last few name sets (bounded).
 
-    ``pool_ring`` also remembers, per model, the ``snapshot.backends`` tuple it last
-    saw: a caller that keeps one backends tuple across snapshots skips the O(pool)
-    name scan.
+    ``pool_ring`` also remembers, per model, the pool tuple it last saw (held, so its
+    identity cannot be reused): a caller that keeps its pool tuples across snapshots
+    (the gateway does) skips the O(pool) name scan. Tuples are immutable, so a pool
+    whose membership changed is a new tuple and gets its ring rebuilt.
     """
 
     def __init__(self, num_vnodes: int, max_num_rings: int = 16) -> None:
@@ -77,11 +78,12 @@ class RingCache:
 
     def pool_ring(self, snapshot: ClusterSnapshot, model: str) -> HashRing:
         """The ring over every group of ``model``'s pool in ``snapshot``."""
+        pool = snapshot.pool(model)
         last = self._last.get(model)
-        if last is not None and last[0] is snapshot.backends:
+        if last is not None and last[0] is pool:
             return last[1]
-        ring = self.ring(group_names(snapshot.pool(model)))
-        self._last[model] = (snapshot.backends, ring)
+        ring = self.ring(group_names(pool))
+        self._last[model] = (pool, ring)
         return ring
 
     def ring(self, names: tuple[str, ...]) -> HashRing:
