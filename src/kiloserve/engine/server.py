@@ -108,7 +108,7 @@ async def _read_json(request: web.Request) -> object:
 
 def _check_model(twin: Twin, model: str | None) -> None:
     if model is not None and model != twin.model_name:
-        raise NotFoundError(f"The model `{model}` does not exist.", param="model", code="404")
+        raise NotFoundError(f"The model `{model}` does not exist.", param="model")
 
 
 async def _submit(twin: Twin, gen: GenerationRequest, entry: Watched) -> RequestStream:
