@@ -143,6 +143,7 @@ class LocalCluster:
         gateway_port: int | None = None,
         run_dir: Path | None = None,
         start_timeout_s: float = 60.0,
+        gateway_options: dict[str, Any] | None = None,
     ) -> None:
         self.cfg = cfg
         self.with_gateway = cfg.gateway.enabled if gateway is None else gateway
@@ -151,6 +152,7 @@ class LocalCluster:
         self.gateway_port = cfg.gateway.port if gateway_port is None else gateway_port
         self.run_dir = run_dir or Path(tempfile.mkdtemp(prefix="kiloserve-up-"))
         self.start_timeout_s = start_timeout_s
+        self.gateway_options = dict(gateway_options or {})
         self.backends: list[BackendInfo] = []
         self.children: list[ChildProcess] = []
         self.gateway: ChildProcess | None = None
@@ -190,6 +192,7 @@ class LocalCluster:
         port = self.gateway_port or free_port(gw.host)
         conf = gateway_config(self.cfg, self.backends, port)
         conf["policy"] = {"name": self.policy, "params": dict(self.policy_params)}
+        conf.update(self.gateway_options)
         path = self.run_dir / "gateway.yaml"
         path.write_text(yaml.safe_dump(conf, sort_keys=False))
         self.gateway = ChildProcess(
