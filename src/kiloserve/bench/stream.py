@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import zlib
-from typing import Any
 
 import orjson
 
@@ -73,44 +72,41 @@ class StreamState:
         record.is_ok = self.error is None
 
     def _event(self, payload: bytes, now_s: float) -> None:
+        # Hot path (one call per SSE event): kept flat, no helper calls per token.
         if payload == b"[DONE]":
             self.is_done = True
             return
         try:
             event = orjson.loads(payload)
         except orjson.JSONDecodeError:
-            self.error = "bad JSON in stream"
-            self.is_done = True
+            self._fail("bad JSON in stream")
             return
         if not isinstance(event, dict):
             return
-        if "error" in event:
-            self.error = f"stream error: {str(event['error'])[:200]}"
-            self.is_done = True
+        choices = event.get("choices")
+        if choices:
+            choice = choices[0]
+            if self._is_chat:
+                text = (choice.get("delta") or {}).get("content")
+            else:
+                text = choice.get("text")
+            if text:
+                if self.ttft_s is None:
+                    self.ttft_s = now_s - self._start_s
+                else:
+                    self.itl_s.append(now_s - self._last_s)
+                self._last_s = now_s
+                self.num_chunks += 1
+        elif "error" in event:
+            self._fail(f"stream error: {str(event['error'])[:200]}")
             return
-        if self._has_text(event):
-            self._chunk(now_s)
         usage = event.get("usage")
         if usage:
             self.usage_tokens = int(usage.get("completion_tokens") or 0)
 
-    def _has_text(self, event: dict[str, Any]) -> bool:
-        choices = event.get("choices")
-        if not choices:
-            return False
-        choice = choices[0]
-        if self._is_chat:
-            delta = choice.get("delta") or {}
-            return bool(delta.get("content"))
-        return bool(choice.get("text"))
-
-    def _chunk(self, now_s: float) -> None:
-        if self.ttft_s is None:
-            self.ttft_s = now_s - self._start_s
-        else:
-            self.itl_s.append(now_s - self._last_s)
-        self._last_s = now_s
-        self.num_chunks += 1
+    def _fail(self, message: str) -> None:
+        self.error = message
+        self.is_done = True
 
 
 class WorkloadDigest:
