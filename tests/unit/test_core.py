@@ -12,7 +12,7 @@ import pytest
 from kiloserve.catalog import get_gpu, get_model
 from kiloserve.engine.config import EngineConfig
 from kiloserve.engine.core import EngineCore, StepResult, StepTimer
-from kiloserve.engine.sequence import Sequence
+from kiloserve.engine.sequence import Sequence, output_token_id
 from kiloserve.engine.timing import StepTimeModel
 from kiloserve.errors import ConfigError, KiloserveError, RequestError
 
@@ -209,11 +209,14 @@ def snapshot(core: EngineCore) -> dict[str, Any]:
 
 
 def random_seq(rng: random.Random, index: int, prefixes: list[list[int]]) -> Sequence:
-    prompt = rng.choice(prefixes)[: rng.randint(1, 24)] + [
-        rng.randrange(1000) for _ in range(rng.randint(0, 9))
-    ]
+    """A request that may share a prefix with earlier prompts or their outputs."""
+    prefix = rng.choice(prefixes)
+    prompt = prefix[: rng.randint(1, len(prefix))]
+    prompt += [rng.randrange(1000) for _ in range(rng.randint(0, 9))]
     max_tokens = rng.randint(1, 40)
     planned = [rng.randrange(50) for _ in range(max_tokens)] if rng.random() < 0.3 else None
+    outputs = planned or [output_token_id(i) for i in range(max_tokens)]
+    prefixes.append(prompt + outputs)  # a later prompt may continue this conversation
     return Sequence(
         f"r{index}", prompt, max_tokens, planned_output_token_ids=planned, block_size=BS
     )
@@ -278,3 +281,21 @@ def test_advance_matches_single_steps_with_the_roofline_timer() -> None:
     timer = StepTimeModel(get_gpu("H100"), get_model("llama-3.1-8b"))
     num_fused_steps, _ = run_pair(3, timer)
     assert num_fused_steps > 50
+
+
+def test_fast_forward_stops_when_a_decode_completes_the_heads_next_cached_block() -> None:
+    # 3 usable blocks; s's outputs are planned so a later prompt can extend s's text
+    core = make_core(num_blocks=4, max_num_batched_tokens=8)
+    s = Sequence(
+        "s", list(range(6)), 7, planned_output_token_ids=[90, 91, 92, 93, 94, 95, 96], block_size=BS
+    )
+    core.add(s)
+    core.step()
+    head = Sequence("head", [0, 1, 2, 3, 4, 5, 90, 91, 80, 81, 82, 83], 1, block_size=BS)
+    core.add(head)
+    core.step()  # s decodes; head hits only block 0 and needs 2 blocks, 1 is free
+    assert core.num_waiting == 1 and core.num_free_blocks == 1
+    # s's block 1 ([4, 5, 90, 91]) is registered next step: then head needs 1 block
+    assert core.max_fast_forward_steps() == 0
+    result = core.step()
+    assert result.num_prefill_tokens == 4 and head.num_cached_tokens == 8

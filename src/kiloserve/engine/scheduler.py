@@ -212,15 +212,24 @@ class Scheduler:
         return self._may_gain_hits(head, num_hit_blocks)
 
     def _may_gain_hits(self, head: Sequence, num_hit_blocks: int) -> bool:
+        """Whether a running sequence may yet register the head's next missing block.
+
+        Equal chained hashes mean equal prefixes, so only a sequence sharing the head's
+        first ``num_hit_blocks`` blocks, with that block not yet registered, can do it.
+        """
         if not self.config.enable_prefix_caching:
             return False
         if num_hit_blocks >= (head.num_tokens - 1) // self.config.block_size:
             return False
+        wanted = head.block_hashes[num_hit_blocks]
         for seq in self.running:
             hashes = seq.block_hashes
-            if len(hashes) != num_hit_blocks:
+            if seq.num_hashed_blocks > num_hit_blocks or len(hashes) < num_hit_blocks:
                 continue
-            if num_hit_blocks == 0 or hashes[-1] == head.block_hashes[num_hit_blocks - 1]:
+            if len(hashes) > num_hit_blocks:  # block full of tokens, not yet computed
+                if hashes[num_hit_blocks] == wanted:
+                    return True
+            elif num_hit_blocks == 0 or hashes[-1] == head.block_hashes[num_hit_blocks - 1]:
                 return True
         return False
 
