@@ -205,3 +205,27 @@ def test_startup_flags_become_faults() -> None:
     assert config.seed == 5
     with pytest.raises(RequestError, match="error_rate"):
         config_from_args(parser.parse_args([*argv, "--error-rate", "2"]))
+
+
+class BrokenTimer(FixedStepTimer):
+    """A step-time model with a bug: the loop must fail loudly, not hang requests."""
+
+    def step_time_s(self, prefill: Sequence[tuple[int, int]], decode: Sequence[int]) -> float:
+        raise ZeroDivisionError("bug in the model")
+
+
+async def test_loop_failure_turns_into_500s_not_hangs(caplog: pytest.LogCaptureFixture) -> None:
+    async with (
+        TwinServer(_config(), timer=BrokenTimer()) as server,
+        aiohttp.ClientSession() as session,
+    ):
+        timeout = aiohttp.ClientTimeout(total=5)
+        body = {"prompt": "x", "max_tokens": 3, "stream": True}
+        async with session.post(server.url + "/v1/completions", json=body, timeout=timeout) as r:
+            text = await r.text()  # ends (the request was aborted), no [DONE]
+        assert "[DONE]" not in text
+        status, out = await _post(session, server.url + "/v1/completions", {"prompt": "x"})
+        assert status == 500 and "error" in out
+        async with session.get(server.url + "/health") as resp:
+            assert resp.status == 500
+    assert any("loop failed" in r.getMessage() for r in caplog.records)

@@ -237,6 +237,8 @@ async def models(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     twin = request.app[TWIN_KEY]
+    if twin.loop.failure is not None:
+        return _error(500, "the engine twin loop has failed", "InternalServerError")
     if twin.faults.faults.is_hang:  # a hung engine's health check never answers
         watcher = request.app[WATCHER_KEY]
         try:

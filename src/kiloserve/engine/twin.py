@@ -179,6 +179,7 @@ class TwinLoop:
         self._task: asyncio.Task[None] | None = None
         self._lag = LagTracker(metrics)
         self._num_requests = 0
+        self.failure: BaseException | None = None  # set if the loop died
 
     def start(self) -> None:
         if self._task is None:
@@ -209,6 +210,8 @@ class TwinLoop:
         is_notify_each_step: bool = True,
     ) -> RequestStream:
         """Queue a request (after the modelled API overhead) and return its stream."""
+        if self.failure is not None:
+            raise RuntimeError("the engine twin loop has failed") from self.failure
         arrival_s = self._clock()
         self._num_requests += 1
         seq_id = f"seq-{self._num_requests}"
@@ -245,6 +248,15 @@ class TwinLoop:
         stream._wake()
 
     async def _run(self) -> None:
+        try:
+            await self._run_steps()
+        except Exception as exc:  # a bug in the engine model: fail loudly, not silently
+            logger.exception("engine twin loop failed; the twin now answers 500")
+            self.failure = exc
+            for stream in list(self._streams.values()):
+                self.abort(stream)
+
+    async def _run_steps(self) -> None:
         deadline_s: float | None = None
         last_yield_s = self._clock()
         while True:
