@@ -11,6 +11,10 @@ skips the cached tokens (the last token is always computed).
 ``schedule`` picks the work; ``postprocess`` applies its result: computed tokens
 advance, a sequence whose tokens are all computed gets one output token (so the step
 that finishes a prefill yields the first token) and finishes at ``max_tokens``.
+
+``max_decode_steps`` / ``advance_decodes`` fuse a run of steps in which the batch only
+decodes (no admission, no finish before the last step, enough free blocks); they
+reproduce the block allocations and cache registrations of single steps in order.
 """
 
 from __future__ import annotations
@@ -83,7 +87,8 @@ class Scheduler:
             computed = seq.num_computed_tokens
             num_new = seq.num_tokens - computed
             if num_new == 1 and computed < len(seq.block_table) * size:
-                if (computed + 1) % size == 0:  # fast path: one token, no new block
+                # fast path (decodes): one token that fits the last block
+                if (computed + 1) % size == 0:
                     manager.register_full_blocks(seq, computed + 1)
             else:
                 num_new = self._chunk(num_new, token_budget)
