@@ -50,7 +50,7 @@ def _install_stop_handler(stop: threading.Event) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    console = Console()
+    console = Console(width=max(120, Console().width))
     cfg = load_cluster_config(args.config)
     stop = threading.Event()
     _install_stop_handler(stop)
