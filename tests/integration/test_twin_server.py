@@ -292,22 +292,26 @@ async def test_bad_inputs_are_4xx_json(twin: TwinServer) -> None:
     assert isinstance(info.value.body, dict) and info.value.body["type"] == "NotFoundError"
 
 
+async def _token_arrivals(url: str, body: dict[str, object]) -> list[float]:
+    """Seconds from sending a streaming completion to each token event's arrival."""
+    arrivals: list[float] = []
+    async with aiohttp.ClientSession() as session:
+        start_s = time.monotonic()
+        async with session.post(url + "/v1/completions", json={**body, "stream": True}) as resp:
+            buffer = b""
+            async for data in resp.content.iter_any():
+                now_s = time.monotonic() - start_s
+                buffer += data
+                *events, buffer = buffer.split(b"\n\n")
+                arrivals += [now_s for e in events if e.startswith(b"data: {")]
+    return arrivals
+
+
 async def test_tokens_are_spaced_by_modelled_step_times() -> None:
     step_s = 0.04
     config = _config(api_overhead_s=0.0)
     async with TwinServer(config, timer=FixedStepTimer(step_s)) as server:
-        body = {"prompt": PROMPT, "max_tokens": 8, "stream": True}
-        arrivals: list[float] = []
-        async with aiohttp.ClientSession() as session:
-            start_s = time.monotonic()
-            async with session.post(server.url + "/v1/completions", json=body) as resp:
-                buffer = b""
-                async for data in resp.content.iter_any():
-                    buffer += data
-                    while b"\n\n" in buffer:
-                        event, buffer = buffer.split(b"\n\n", 1)
-                        if event != b"data: [DONE]":
-                            arrivals.append(time.monotonic() - start_s)
+        arrivals = await _token_arrivals(server.url, {"prompt": PROMPT, "max_tokens": 8})
     assert len(arrivals) == 8
     gaps = [b - a for a, b in itertools.pairwise(arrivals)]
     # 1 prefill step then 7 decode steps of 40 ms each; loose bounds for a busy CI box
@@ -391,3 +395,18 @@ async def test_api_overhead_delays_first_token() -> None:
     assert 0.15 + 0.02 <= elapsed_s <= 0.5
     default = TwinServer(_config())  # the step-time model's figure (calibration.md)
     assert default.twin.loop.api_overhead_s == pytest.approx(0.015)
+
+
+async def test_decode_gaps_follow_the_roofline_model() -> None:
+    from kiloserve.catalog import get_gpu, get_model
+    from kiloserve.engine.timing import StepTimeModel
+
+    slowdown = 5.0  # ~40 ms steps: well above timer noise on a busy box
+    config = _config(api_overhead_s=0.0, faults=FaultSet(slowdown=slowdown))
+    timer = StepTimeModel(get_gpu("H100-SXM"), get_model("llama-3.1-8b"))
+    expected_s = slowdown * timer.step_time_s([], [count_tokens(PROMPT) + 6])
+    async with TwinServer(config) as server:
+        arrivals = await _token_arrivals(server.url, {"prompt": PROMPT, "max_tokens": 12})
+    assert len(arrivals) == 12
+    mean_gap_s = (arrivals[-1] - arrivals[1]) / 10
+    assert 0.8 * expected_s <= mean_gap_s <= 1.5 * expected_s, (mean_gap_s, expected_s)

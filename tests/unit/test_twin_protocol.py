@@ -77,7 +77,11 @@ def test_parse_completion_prompt_forms() -> None:
         ({"prompt": "x", "max_tokens": 2.5}, "max_tokens"),
         ({"prompt": "x", "n": 3}, "n"),
         ({"prompt": "x", "model": 1}, "model"),
-        ({"prompt": "x", "stream_options": {"include_usage": "y"}}, "stream_options"),
+        (
+            {"prompt": "x", "stream": True, "stream_options": {"include_usage": "y"}},
+            "stream_options",
+        ),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
         ({"prompt": "x", "ignore_eos": 1}, "ignore_eos"),
     ],
 )

@@ -172,13 +172,17 @@ def _common(body: dict[str, object], kind: RequestKind, ids: list[int]) -> Gener
     if kind == "chat":
         max_completion = _opt_int(body, "max_completion_tokens", 1)
         max_tokens = max_completion if max_completion is not None else max_tokens
+    is_stream = _opt_bool(body, "stream")
+    include_usage = _include_usage(body)
+    if body.get("stream_options") is not None and not is_stream:
+        raise _field_error("stream_options", "stream_options is only allowed with stream=true")
     return GenerationRequest(
         kind=kind,
         model=_opt_model(body),
         prompt_token_ids=ids,
         max_tokens=max_tokens,
-        is_stream=_opt_bool(body, "stream"),
-        include_usage=_include_usage(body),
+        is_stream=is_stream,
+        include_usage=include_usage,
         ignore_eos=_opt_bool(body, "ignore_eos"),
     )
 
