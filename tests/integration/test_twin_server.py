@@ -410,3 +410,29 @@ async def test_decode_gaps_follow_the_roofline_model() -> None:
     assert len(arrivals) == 12
     mean_gap_s = (arrivals[-1] - arrivals[1]) / 10
     assert 0.8 * expected_s <= mean_gap_s <= 1.5 * expected_s, (mean_gap_s, expected_s)
+
+
+class BusyStepTimer(FixedStepTimer):
+    """Fixed step times, but computing each one burns ``cpu_s`` of real CPU."""
+
+    def __init__(self, step_s: float, cpu_s: float) -> None:
+        super().__init__(step_s)
+        self.cpu_s = cpu_s
+
+    def step_time_s(self, prefill: Sequence[tuple[int, int]], decode: Sequence[int]) -> float:
+        end_s = time.perf_counter() + self.cpu_s
+        while time.perf_counter() < end_s:
+            pass
+        return self.step_s
+
+
+async def test_loop_cpu_time_does_not_add_to_modelled_time() -> None:
+    # 60 steps of 5 ms, each costing 1.5 ms of the twin's own CPU: sleeping 5 ms after
+    # the work (relative deadlines) would run >= 30% late; absolute deadlines do not.
+    step_s, num_tokens = 0.005, 60
+    config = _config(api_overhead_s=0.0)
+    async with TwinServer(config, timer=BusyStepTimer(step_s, cpu_s=0.0015)) as server:
+        arrivals = await _token_arrivals(server.url, {"prompt": PROMPT, "max_tokens": num_tokens})
+    assert len(arrivals) == num_tokens
+    decode_s = arrivals[-1] - arrivals[0]
+    assert (num_tokens - 1) * step_s * 0.95 <= decode_s <= (num_tokens - 1) * step_s * 1.15
