@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
+import os
 import random
 import time
-import uuid
 from typing import Any
 
 import aiohttp
@@ -29,16 +30,31 @@ from kiloserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from kiloserve.gateway.profile import Profiler
 from kiloserve.gateway.proxy import REQUEST_ID_HEADER, ProxyContext, forward
 from kiloserve.gateway.scrape import scrape_loop
+from kiloserve.gateway.upstream import UpstreamPool
 from kiloserve.policies.base import Decision, Policy, RequestInfo
 
 __all__ = ["CTX_KEY", "METRICS_KEY", "TABLE_KEY", "create_gateway_app", "create_policy_for"]
 
 logger = logging.getLogger(__name__)
 
+
+class _RequestIds:
+    """Request ids unique per app: a random prefix and a counter (cheaper than uuid4)."""
+
+    def __init__(self) -> None:
+        self._prefix = os.urandom(6).hex() + "-"
+        self._counter = itertools.count(1)
+
+    def next(self) -> str:
+        return self._prefix + str(next(self._counter))
+
+
 CTX_KEY = web.AppKey("kiloserve_gateway_ctx", ProxyContext)
 TABLE_KEY = web.AppKey("kiloserve_gateway_table", BackendTable)
 METRICS_KEY = web.AppKey("kiloserve_gateway_metrics", GatewayMetrics)
 _TASKS_KEY = web.AppKey("kiloserve_gateway_tasks", list)
+_SESSION_KEY = web.AppKey("kiloserve_gateway_session", aiohttp.ClientSession)
+_IDS_KEY = web.AppKey("kiloserve_gateway_ids", _RequestIds)
 _MAX_REQUEST_ID_CHARS = 128
 
 
@@ -69,7 +85,7 @@ def _request_id(request: web.Request) -> str:
     rid = request.headers.get(REQUEST_ID_HEADER)
     if rid and len(rid) <= _MAX_REQUEST_ID_CHARS and rid.isprintable():
         return rid
-    return uuid.uuid4().hex
+    return request.app[_IDS_KEY].next()
 
 
 async def _read_body(request: web.Request, max_body_bytes: int) -> bytes:
@@ -209,17 +225,13 @@ async def _on_startup(app: web.Application) -> None:
     cfg = ctx.cfg
     connector = aiohttp.TCPConnector(limit=cfg.max_connections, limit_per_host=0)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s)
-    ctx.session = aiohttp.ClientSession(
-        connector=connector,
-        timeout=timeout,
-        auto_decompress=False,
-        skip_auto_headers=("User-Agent",),
-    )
+    session = aiohttp.ClientSession(connector=connector, timeout=timeout)
+    app[_SESSION_KEY] = session
     tasks = app[_TASKS_KEY]
     if _needs_discovery(ctx.table):
-        await _discover_once(ctx.session, ctx.table, cfg.connect_timeout_s)
-        tasks.append(asyncio.create_task(_discovery_loop(ctx.session, ctx.table, cfg)))
-    loop = scrape_loop(ctx.session, ctx.table, cfg.scrape_interval_s, cfg.scrape_timeout_s)
+        await _discover_once(session, ctx.table, cfg.connect_timeout_s)
+        tasks.append(asyncio.create_task(_discovery_loop(session, ctx.table, cfg)))
+    loop = scrape_loop(session, ctx.table, cfg.scrape_interval_s, cfg.scrape_timeout_s)
     tasks.append(asyncio.create_task(loop))
     logger.info("gateway policy=%s backends=%d", ctx.policy.name, len(ctx.table.backend_ids()))
 
@@ -232,7 +244,9 @@ async def _on_cleanup(app: web.Application) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await task
     tasks.clear()
-    await app[CTX_KEY].session.close()
+    await app[CTX_KEY].upstream.close()
+    if _SESSION_KEY in app:
+        await app[_SESSION_KEY].close()
 
 
 def create_gateway_app(cfg: GatewayConfig, *, policy: Policy | None = None) -> web.Application:
@@ -242,7 +256,7 @@ def create_gateway_app(cfg: GatewayConfig, *, policy: Policy | None = None) -> w
     chosen = policy if policy is not None else create_policy_for(cfg)
     ctx = ProxyContext(
         cfg=cfg,
-        session=None,  # type: ignore[arg-type]  # opened in _on_startup (needs the loop)
+        upstream=UpstreamPool(cfg.connect_timeout_s),
         table=table,
         metrics=gw_metrics,
         policy=chosen,
@@ -254,6 +268,7 @@ def create_gateway_app(cfg: GatewayConfig, *, policy: Policy | None = None) -> w
     app[TABLE_KEY] = table
     app[METRICS_KEY] = gw_metrics
     app[_TASKS_KEY] = []
+    app[_IDS_KEY] = _RequestIds()
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)

@@ -1,6 +1,6 @@
 """Prometheus metrics of one gateway app (S5.3), on a per-app ``CollectorRegistry``.
 
-Counters and histograms are updated on the hot path (labelled children are cached);
+Counters and histograms are plain Python on the hot path and exported on collection;
 per-backend gauges (in-flight, health, effective weight, staleness, scrape errors)
 are read from the live backend table only when ``/metrics`` is scraped.
 """
@@ -8,11 +8,12 @@ are read from the live backend table only when ``/metrics`` is scraped.
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from kiloserve.gateway.backends import BackendTable
@@ -74,64 +75,109 @@ class _TableCollector(Collector):
         yield errors
 
 
+class _Histogram:
+    """A cheap histogram (bucket counts + sum) for one label set."""
+
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        out, running = [], 0
+        for bound, count in zip((*map(str, self.bounds), "+Inf"), self.counts, strict=True):
+            running += count
+            out.append((bound, float(running)))
+        return out
+
+
+class _HotPathCollector(Collector):
+    """Exports the counters and histograms the hot path updates as plain Python."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self._m = metrics
+
+    def collect(self) -> Iterator[Any]:
+        m = self._m
+        yield _counter("requests", "requests by model, backend and status",
+                       ["model", "backend", "status"], m.requests)  # fmt: skip
+        yield _counter("retries", "retries to a fallback backend, by failed backend and reason",
+                       ["backend", "reason"], m.retries)  # fmt: skip
+        yield _counter("routing_decisions", "routing decisions by policy and chosen backend",
+                       ["policy", "backend"], m.decisions)  # fmt: skip
+        yield _histogram("ttft_seconds", "time to first token", m.ttft)
+        yield _histogram("inter_token_seconds", "gap between relayed stream chunks", m.itl)
+        yield _histogram("e2e_seconds", "end-to-end request latency", m.e2e)
+
+
+def _counter(
+    name: str, doc: str, labels: list[str], values: dict[tuple[str, ...], int]
+) -> CounterMetricFamily:
+    fam = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+    for key, value in values.items():
+        fam.add_metric(list(key), value)
+    return fam
+
+
+def _histogram(name: str, doc: str, values: dict[str, _Histogram]) -> HistogramMetricFamily:
+    fam = HistogramMetricFamily(PREFIX + name, doc, labels=["backend"])
+    for backend, h in values.items():
+        fam.add_metric([backend], h.cumulative(), sum_value=h.total)
+    return fam
+
+
 class GatewayMetrics:
-    """All gateway metrics; ``render()`` returns the exposition text."""
+    """All gateway metrics; ``render()`` returns the exposition text.
+
+    The hot path only bumps dict entries (no locks, no label lookups); the values are
+    turned into Prometheus families when ``/metrics`` is read.
+    """
 
     def __init__(self, table: BackendTable) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        r = self.registry
-        self._requests = Counter(
-            PREFIX + "requests", "requests by model, backend and status",
-            ["model", "backend", "status"], registry=r,
-        )  # fmt: skip
-        self._ttft = Histogram(
-            PREFIX + "ttft_seconds", "time to first token", ["backend"],
-            buckets=LATENCY_BUCKETS_S, registry=r,
-        )  # fmt: skip
-        self._itl = Histogram(
-            PREFIX + "inter_token_seconds", "gap between relayed stream chunks", ["backend"],
-            buckets=ITL_BUCKETS_S, registry=r,
-        )  # fmt: skip
-        self._e2e = Histogram(
-            PREFIX + "e2e_seconds", "end-to-end request latency", ["backend"],
-            buckets=LATENCY_BUCKETS_S, registry=r,
-        )  # fmt: skip
-        self._retries = Counter(
-            PREFIX + "retries", "retries to a fallback backend, by failed backend and reason",
-            ["backend", "reason"], registry=r,
-        )  # fmt: skip
-        self._decisions = Counter(
-            PREFIX + "routing_decisions", "routing decisions by policy and chosen backend",
-            ["policy", "backend"], registry=r,
-        )  # fmt: skip
-        r.register(_TableCollector(table))
-        self._children: dict[tuple[str, ...], Any] = {}
+        self.requests: dict[tuple[str, ...], int] = {}
+        self.retries: dict[tuple[str, ...], int] = {}
+        self.decisions: dict[tuple[str, ...], int] = {}
+        self.ttft: dict[str, _Histogram] = {}
+        self.itl: dict[str, _Histogram] = {}
+        self.e2e: dict[str, _Histogram] = {}
+        self.registry.register(_HotPathCollector(self))
+        self.registry.register(_TableCollector(table))
 
-    def _child(self, metric: Any, *labels: str) -> Any:
-        key = (metric._name, *labels)
-        child = self._children.get(key)
-        if child is None:
-            child = metric.labels(*labels)
-            self._children[key] = child
-        return child
+    @staticmethod
+    def _inc(counts: dict[tuple[str, ...], int], key: tuple[str, ...]) -> None:
+        counts[key] = counts.get(key, 0) + 1
+
+    @staticmethod
+    def _hist(hists: dict[str, _Histogram], backend: str, bounds: tuple[float, ...]) -> _Histogram:
+        h = hists.get(backend)
+        if h is None:
+            h = hists[backend] = _Histogram(bounds)
+        return h
 
     def request_done(self, model: str, backend: str, status: int) -> None:
-        self._child(self._requests, model, backend, str(status)).inc()
+        self._inc(self.requests, (model, backend, str(status)))
 
     def observe_ttft(self, backend: str, seconds: float) -> None:
-        self._child(self._ttft, backend).observe(seconds)
+        self._hist(self.ttft, backend, LATENCY_BUCKETS_S).observe(seconds)
 
     def observe_itl(self, backend: str, seconds: float) -> None:
-        self._child(self._itl, backend).observe(seconds)
+        self._hist(self.itl, backend, ITL_BUCKETS_S).observe(seconds)
 
     def observe_e2e(self, backend: str, seconds: float) -> None:
-        self._child(self._e2e, backend).observe(seconds)
+        self._hist(self.e2e, backend, LATENCY_BUCKETS_S).observe(seconds)
 
     def retry(self, backend: str, reason: str) -> None:
-        self._child(self._retries, backend, reason).inc()
+        self._inc(self.retries, (backend, reason))
 
     def decision(self, policy: str, backend: str) -> None:
-        self._child(self._decisions, policy, backend).inc()
+        self._inc(self.decisions, (policy, backend))
 
     def render(self) -> bytes:
         return bytes(generate_latest(self.registry))

@@ -15,15 +15,16 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import orjson
 from aiohttp import web
 
+from kiloserve.errors import BackendError
 from kiloserve.gateway.backends import BackendTable
 from kiloserve.gateway.config import GatewayConfig
 from kiloserve.gateway.metrics import GatewayMetrics
 from kiloserve.gateway.profile import Profiler
 from kiloserve.gateway.sse import SseRelay
+from kiloserve.gateway.upstream import UpstreamPool, UpstreamResponse
 from kiloserve.policies.base import Decision, Outcome, Policy, RequestInfo
 
 __all__ = ["BACKEND_HEADER", "REQUEST_ID_HEADER", "ProxyContext", "forward"]
@@ -41,7 +42,7 @@ class ProxyContext:
     """Per-app objects the proxy needs (no module globals)."""
 
     cfg: GatewayConfig
-    session: aiohttp.ClientSession
+    upstream: UpstreamPool
     table: BackendTable
     metrics: GatewayMetrics
     policy: Policy
@@ -74,7 +75,7 @@ class _Failure:
 
 
 def _upstream_headers(call: _Call) -> dict[str, str]:
-    headers = {"Content-Type": "application/json", REQUEST_ID_HEADER: call.info.request_id}
+    headers = {"Content-Type": "application/json", "x-request-id": call.info.request_id}
     for name in _FORWARD_HEADERS:
         value = call.request.headers.get(name)
         if value is not None:
@@ -154,38 +155,30 @@ class _Attempt:
         )  # fmt: skip
 
 
-async def _open(ctx: ProxyContext, call: _Call, att: _Attempt) -> aiohttp.ClientResponse:
-    url = ctx.table.url_of(att.backend_id) + call.path
-    return await ctx.session.post(url, data=call.payload, headers=_upstream_headers(call))
-
-
-async def _read_first(resp: aiohttp.ClientResponse) -> bytes:
-    """First non-empty body chunk (b"" at end of stream)."""
-    while True:
-        chunk = await resp.content.readany()
-        if chunk or resp.content.at_eof():
-            return chunk
+async def _open(ctx: ProxyContext, call: _Call, att: _Attempt) -> UpstreamResponse:
+    base_url = ctx.table.url_of(att.backend_id)
+    return await ctx.upstream.post(base_url, call.path, call.payload, _upstream_headers(call))
 
 
 async def _try_backend(
     ctx: ProxyContext, call: _Call, att: _Attempt
-) -> tuple[aiohttp.ClientResponse, bytes] | _Failure:
+) -> tuple[UpstreamResponse, bytes] | _Failure:
     """Open the upstream request and wait for its first byte, bounded by the timeouts."""
     loop_time = att.loop.time()
     budget_s = min(ctx.cfg.first_byte_timeout_s, call.deadline - loop_time)
-    resp: aiohttp.ClientResponse | None = None
+    resp: UpstreamResponse | None = None
     try:
         async with asyncio.timeout(budget_s):
             resp = await _open(ctx, call, att)
             if _retryable_status(resp.status) or resp.status != 200 or not call.is_stream:
                 body = await resp.read()
                 return resp, body
-            return resp, await _read_first(resp)
+            return resp, await resp.readany()
     except TimeoutError:
         if resp is not None:
             resp.close()
         return _Failure("first_byte_timeout", status=504)
-    except (aiohttp.ClientError, OSError) as exc:
+    except (BackendError, OSError) as exc:
         if resp is not None:
             resp.close()
         return _Failure(f"connect_error:{type(exc).__name__}")
@@ -201,7 +194,7 @@ def _usage_tokens(body: bytes) -> int:
 
 
 def _whole_response(
-    call: _Call, att: _Attempt, resp: aiohttp.ClientResponse, body: bytes
+    call: _Call, att: _Attempt, resp: UpstreamResponse, body: bytes
 ) -> web.Response:
     if resp.status == 200:
         att.output_tokens = _usage_tokens(body)
@@ -213,7 +206,7 @@ def _whole_response(
 async def _pump(
     ctx: ProxyContext,
     att: _Attempt,
-    resp: aiohttp.ClientResponse,
+    resp: UpstreamResponse,
     out: web.StreamResponse,
     relay: SseRelay,
     chunk: bytes,
@@ -230,14 +223,14 @@ async def _pump(
                 observe_itl(att.backend_id, now - att.last_chunk_at)
             att.last_chunk_at = now
             await out.write(data)
-        chunk = await resp.content.readany()
+        chunk = await resp.readany()
     rest = relay.flush()
     if rest:
         await out.write(rest)
 
 
 async def _relay(
-    ctx: ProxyContext, call: _Call, att: _Attempt, resp: aiohttp.ClientResponse, first: bytes
+    ctx: ProxyContext, call: _Call, att: _Attempt, resp: UpstreamResponse, first: bytes
 ) -> tuple[web.StreamResponse, int]:
     """Stream the upstream SSE body to the client as it arrives; returns (response, status)."""
     headers = _our_headers(call, att.backend_id)
@@ -254,7 +247,7 @@ async def _relay(
         status = _CLIENT_GONE
     except TimeoutError:
         status = 504
-    except (aiohttp.ClientError, OSError):
+    except (BackendError, OSError):
         status = 502
     att.output_tokens = relay.completion_tokens or max(0, relay.num_events - 1)
     if status != 200:
@@ -266,7 +259,7 @@ async def _relay(
 
 
 async def _serve(
-    ctx: ProxyContext, call: _Call, att: _Attempt, resp: aiohttp.ClientResponse, first: bytes
+    ctx: ProxyContext, call: _Call, att: _Attempt, resp: UpstreamResponse, first: bytes
 ) -> web.StreamResponse:
     """Answer the client from an upstream response that will not be retried."""
     try:

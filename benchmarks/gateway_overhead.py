@@ -1,0 +1,462 @@
+"""Gateway overhead: direct-to-backend vs through ``kiloserve gateway`` (vs nginx), one run.
+
+    .venv/bin/python benchmarks/gateway_overhead.py [--policy default] [--quick]
+
+Two backends that answer instantly (a raw asyncio HTTP/1.1 server, one process each):
+a non-streaming completion, or a stream of ``--chunks`` SSE chunks written
+``--chunk-gap-ms`` apart (so each chunk is a separate read for the proxy). The load
+generator is a raw asyncio keep-alive client (cheap, so it is not the bottleneck).
+nginx (``apt-get install -y nginx``) is the in-run reference when the binary exists.
+
+Figures (all measured in this run):
+* CPU per request: CPU seconds of the proxy process (utime + stime from /proc/PID/stat)
+  over a fixed number of non-streaming requests, divided by the number of requests;
+  at moderate load (concurrency 4) and near saturation (concurrency 32).
+* CPU per relayed chunk: (CPU per streamed request - CPU per plain request) / chunks.
+* added p50 / p99 latency at moderate load (closed loop, concurrency 4) vs direct.
+* max requests/s (closed loop, concurrency 64).
+Targets (issue 3): <= 150 us CPU per request, <= 10 us per chunk, added p50 <= 1 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+MODEL = "bench-model"
+METRICS = (
+    b"vllm:num_requests_running 0\nvllm:num_requests_waiting 0\nvllm:kv_cache_usage_perc 0.1\n"
+)
+COMPLETION = (
+    b'{"id":"cmpl-1","object":"text_completion","model":"bench-model","choices":[{"index":0,'
+    b'"text":"hello","finish_reason":"length"}],"usage":{"prompt_tokens":8,'
+    b'"completion_tokens":16,"total_tokens":24}}'
+)
+
+STREAM_HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+)
+
+
+# ----------------------------------------------------------------- instant backend
+def _content_length(head: bytes) -> int:
+    """Content-Length of a lower-cased header block ending in CRLF (0 if absent)."""
+    pos = head.find(b"content-length:")
+    return 0 if pos < 0 else int(head[pos + 15 : head.find(b"\r\n", pos)])
+
+
+class BackendProtocol(asyncio.Protocol):
+    """Minimal HTTP/1.1 keep-alive server: /metrics, /v1/models, completions."""
+
+    def __init__(self, num_chunks: int, gap_s: float) -> None:
+        self.num_chunks = num_chunks
+        self.gap_s = gap_s
+        self.buf = b""
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        while True:
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = self.buf[: end + 2].lower()
+            total = end + 4 + _content_length(head)
+            if len(self.buf) < total:
+                return
+            body, self.buf = self.buf[end + 4 : total], self.buf[total:]
+            self.respond(head.split(b" ", 2)[1], body)
+
+    def _send(self, body: bytes, ctype: bytes = b"application/json") -> None:
+        assert self.transport is not None
+        self.transport.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: "
+            + ctype
+            + b"\r\nContent-Length: "
+            + str(len(body)).encode()
+            + b"\r\n\r\n"
+            + body
+        )
+
+    def respond(self, path: bytes, body: bytes) -> None:
+        if path == b"/metrics":
+            self._send(METRICS, b"text/plain")
+        elif path == b"/v1/models":
+            self._send(b'{"object":"list","data":[{"id":"bench-model","object":"model"}]}')
+        elif b'"stream":true' in body.replace(b" ", b""):
+            asyncio.get_running_loop().create_task(self.stream(b"include_usage" in body))
+        else:
+            self._send(COMPLETION)
+
+    async def stream(self, with_usage: bool) -> None:
+        t = self.transport
+        assert t is not None
+        t.write(STREAM_HEAD)
+        events = [
+            b'data: {"id":"c","object":"text_completion","choices":[{"index":0,"text":" tok"}]}\n\n'
+        ] * self.num_chunks
+        if with_usage:
+            events.append(
+                b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":8,"completion_tokens":'
+                + str(self.num_chunks).encode()
+                + b"}}\n\n"
+            )
+        events.append(b"data: [DONE]\n\n")
+        for i, ev in enumerate(events):
+            if t.is_closing():
+                return
+            t.write(f"{len(ev):x}\r\n".encode() + ev + b"\r\n")
+            if self.gap_s and i < self.num_chunks:
+                await asyncio.sleep(self.gap_s)
+        t.write(b"0\r\n\r\n")
+
+
+def serve_backend(port: int, num_chunks: int, gap_s: float) -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(
+            lambda: BackendProtocol(num_chunks, gap_s), "127.0.0.1", port, backlog=1024
+        )
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(main())
+
+
+# ----------------------------------------------------------------- raw load client
+def _request(host_port: str, stream: bool) -> bytes:
+    body = b'{"model":"bench-model","prompt":"the fast node runs all load","max_tokens":16'
+    body += b',"stream":true}' if stream else b"}"
+    return (
+        b"POST /v1/completions HTTP/1.1\r\nHost: "
+        + host_port.encode()
+        + b"\r\nContent-Type: application/json\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
+
+
+async def _read_response(reader: asyncio.StreamReader) -> int:
+    head = await reader.readuntil(b"\r\n\r\n")
+    status = int(head[9:12])
+    low = head.lower()
+    if b"content-length:" in low:
+        await reader.readexactly(_content_length(low))
+        return status
+    while True:  # chunked
+        size_line = await reader.readuntil(b"\r\n")
+        size = int(size_line.strip().split(b";")[0], 16)
+        await reader.readexactly(size + 2)
+        if size == 0:
+            return status
+
+
+@dataclass
+class RunResult:
+    num_requests: int
+    elapsed_s: float
+    latencies_s: list[float]
+    num_errors: int
+
+    @property
+    def rps(self) -> float:
+        return self.num_requests / self.elapsed_s
+
+    def pct_ms(self, q: float) -> float:
+        return float(np.percentile(self.latencies_s, q) * 1000.0)
+
+
+async def run_load(
+    ports: list[int], concurrency: int, num_requests: int, stream: bool = False
+) -> RunResult:
+    """Closed loop: ``concurrency`` keep-alive connections (spread over ``ports``)."""
+    latencies: list[float] = []
+    remaining = [num_requests]
+    errors = [0]
+
+    async def worker(i: int) -> None:
+        port = ports[i % len(ports)]
+        req = _request(f"127.0.0.1:{port}", stream)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            while remaining[0] > 0:
+                remaining[0] -= 1
+                t0 = time.perf_counter()
+                writer.write(req)
+                try:
+                    status = await _read_response(reader)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    errors[0] += 1
+                    writer.close()
+                    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                    continue
+                latencies.append(time.perf_counter() - t0)
+                if status != 200:
+                    errors[0] += 1
+        finally:
+            writer.close()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker(i) for i in range(concurrency)))
+    return RunResult(len(latencies), time.perf_counter() - t0, latencies, errors[0])
+
+
+# ----------------------------------------------------------------- processes
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime
+
+
+def wait_port(port: int, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"nothing listening on {port}")
+
+
+@contextlib.contextmanager
+def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def gateway_yaml(path: Path, port: int, backend_ports: list[int], policy: str) -> None:
+    lines = [
+        "host: 127.0.0.1",
+        f"port: {port}",
+        f"policy: {{name: {policy}}}",
+        "backends:",
+        *[
+            f"  - {{url: 'http://127.0.0.1:{p}', name: b{i}, models: [{MODEL}]}}"
+            for i, p in enumerate(backend_ports)
+        ],
+    ]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def nginx_conf(tmp: Path, port: int, backend_ports: list[int]) -> Path:
+    servers = "".join(f"    server 127.0.0.1:{p};\n" for p in backend_ports)
+    conf = tmp / "nginx.conf"
+    conf.write_text(
+        f"""daemon off;
+master_process off;
+worker_processes 1;
+error_log {tmp}/nginx_error.log warn;
+pid {tmp}/nginx.pid;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+  client_body_temp_path {tmp}/body; proxy_temp_path {tmp}/proxy;
+  fastcgi_temp_path {tmp}/fcgi; uwsgi_temp_path {tmp}/uwsgi; scgi_temp_path {tmp}/scgi;
+  upstream backends {{
+{servers}    keepalive 256;
+  }}
+  server {{
+    listen 127.0.0.1:{port};
+    keepalive_requests 1000000;
+    location / {{
+      proxy_pass http://backends;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+    }}
+  }}
+}}
+"""
+    )
+    return conf
+
+
+# ----------------------------------------------------------------- measurement
+@dataclass
+class Target:
+    name: str
+    ports: list[int]
+    pid: int | None
+
+
+async def measure(target: Target, args: argparse.Namespace) -> dict[str, float]:
+    out: dict[str, float] = {}
+    await run_load(target.ports, 8, 300)  # warm up
+    await run_load(target.ports, 4, 100, stream=True)
+    cpu0 = cpu_s(target.pid) if target.pid else 0.0
+    mod = await run_load(target.ports, 4, args.num_requests)
+    cpu1 = cpu_s(target.pid) if target.pid else 0.0
+    sat = await run_load(target.ports, 32, args.num_requests)
+    cpu2 = cpu_s(target.pid) if target.pid else 0.0
+    streams = await run_load(target.ports, 32, args.num_streams, stream=True)
+    cpu3 = cpu_s(target.pid) if target.pid else 0.0
+    top = await run_load(target.ports, 64, args.num_requests)
+    out.update(p50_ms=mod.pct_ms(50), p99_ms=mod.pct_ms(99), max_rps=top.rps)
+    out["errors"] = mod.num_errors + sat.num_errors + streams.num_errors + top.num_errors
+    if target.pid:
+        out["cpu_us_moderate"] = (cpu1 - cpu0) / mod.num_requests * 1e6
+        out["cpu_us_saturated"] = (cpu2 - cpu1) / sat.num_requests * 1e6
+        per_stream_us = (cpu3 - cpu2) / streams.num_requests * 1e6
+        out["cpu_us_per_chunk"] = (per_stream_us - out["cpu_us_saturated"]) / args.chunks
+    return out
+
+
+def verdict(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+def report(results: dict[str, dict[str, float]]) -> None:
+    direct = results["direct"]
+    print(
+        f"\n{'target':<10}{'p50 ms':>9}{'p99 ms':>9}{'max req/s':>11}{'CPU us/req mod':>16}"
+        f"{'CPU us/req sat':>16}{'CPU us/chunk':>14}{'errors':>8}"
+    )
+    for name, r in results.items():
+        print(
+            f"{name:<10}{r['p50_ms']:>9.3f}{r['p99_ms']:>9.3f}{r['max_rps']:>11.0f}"
+            f"{r.get('cpu_us_moderate', float('nan')):>16.1f}"
+            f"{r.get('cpu_us_saturated', float('nan')):>16.1f}"
+            f"{r.get('cpu_us_per_chunk', float('nan')):>14.2f}{r['errors']:>8.0f}"
+        )
+    gw = results["gateway"]
+    added_p50 = gw["p50_ms"] - direct["p50_ms"]
+    added_p99 = gw["p99_ms"] - direct["p99_ms"]
+    print()
+    print(
+        f"gateway CPU per request (saturated): {gw['cpu_us_saturated']:.1f} us "
+        f"(target <= 150 us: {verdict(gw['cpu_us_saturated'] <= 150)}); "
+        f"at moderate load {gw['cpu_us_moderate']:.1f} us "
+        f"({verdict(gw['cpu_us_moderate'] <= 150)})"
+    )
+    print(
+        f"gateway CPU per relayed chunk: {gw['cpu_us_per_chunk']:.2f} us "
+        f"(target <= 10 us: {verdict(gw['cpu_us_per_chunk'] <= 10)})"
+    )
+    print(
+        f"added latency at moderate load: p50 {added_p50:.3f} ms "
+        f"(target <= 1 ms: {verdict(added_p50 <= 1.0)}), p99 {added_p99:.3f} ms"
+    )
+    print(f"max requests/s: gateway {gw['max_rps']:.0f} vs direct {direct['max_rps']:.0f}")
+    if "nginx" in results:
+        ng = results["nginx"]
+        print(
+            f"nginx reference: CPU {ng['cpu_us_saturated']:.1f} us/req, "
+            f"{ng['cpu_us_per_chunk']:.2f} us/chunk, added p50 "
+            f"{ng['p50_ms'] - direct['p50_ms']:.3f} ms, {ng['max_rps']:.0f} req/s; "
+            f"gateway/nginx CPU ratio {gw['cpu_us_saturated'] / ng['cpu_us_saturated']:.1f}x"
+        )
+
+
+def start_all(
+    args: argparse.Namespace, tmp: Path, procs: list[subprocess.Popen[bytes]]
+) -> list[Target]:
+    backend_ports = [free_port(), free_port()]
+    for p in backend_ports:
+        cmd = [
+            sys.executable,
+            __file__,
+            "--serve-backend",
+            str(p),
+            "--chunks",
+            str(args.chunks),
+            "--chunk-gap-ms",
+            str(args.chunk_gap_ms),
+        ]
+        procs.append(subprocess.Popen(cmd))
+    gw_port = free_port()
+    gateway_yaml(tmp / "gateway.yaml", gw_port, backend_ports, args.policy)
+    gw_cmd = [
+        sys.executable,
+        "-m",
+        "kiloserve",
+        "gateway",
+        "-c",
+        str(tmp / "gateway.yaml"),
+        "--log-level",
+        "WARNING",
+    ]
+    gw = subprocess.Popen(gw_cmd, stdout=subprocess.DEVNULL)
+    procs.append(gw)
+    for p in [*backend_ports, gw_port]:
+        wait_port(p)
+    targets = [Target("direct", backend_ports, None), Target("gateway", [gw_port], gw.pid)]
+    nginx = shutil.which("nginx")
+    if nginx is None:
+        print("nginx: binary not found, skipping the nginx reference (apt-get install -y nginx)")
+    else:
+        ng_port = free_port()
+        ng = subprocess.Popen(
+            [nginx, "-c", str(nginx_conf(tmp, ng_port, backend_ports)), "-p", str(tmp)]
+        )
+        procs.append(ng)
+        wait_port(ng_port)
+        targets.append(Target("nginx", [ng_port], ng.pid))
+    time.sleep(0.5)  # first scrapes
+    return targets
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--policy", default="default", help="gateway policy (default: default)")
+    ap.add_argument("--chunks", type=int, default=50, help="SSE chunks per streamed response")
+    ap.add_argument("--chunk-gap-ms", type=float, default=2.0, help="backend gap between chunks")
+    ap.add_argument("--num-requests", type=int, default=4000)
+    ap.add_argument("--num-streams", type=int, default=400)
+    ap.add_argument("--quick", action="store_true", help="fewer requests (smoke run)")
+    ap.add_argument("--serve-backend", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve_backend:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        serve_backend(args.serve_backend, args.chunks, args.chunk_gap_ms / 1000.0)
+        return 0
+    if args.quick:
+        args.num_requests, args.num_streams = 600, 64
+    print(
+        f"gateway overhead benchmark: policy={args.policy}, {os.cpu_count()} CPUs, "
+        f"{args.num_requests} requests per run, {args.num_streams} streams x {args.chunks} chunks"
+    )
+    with tempfile.TemporaryDirectory() as tmp_dir, processes() as procs:
+        targets = start_all(args, Path(tmp_dir), procs)
+        results = {t.name: asyncio.run(measure(t, args)) for t in targets}
+        report(results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
