@@ -11,6 +11,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -22,6 +23,7 @@ from kiloserve.engine.faults import FaultSet
 from kiloserve.engine.protocol import natural_output_tokens, output_text, render_chat
 from kiloserve.engine.server import TwinServer
 from kiloserve.engine.twin import TwinConfig
+from kiloserve.errors import ConfigError
 from kiloserve.tokens import count_tokens, tokenize
 
 PROMPT = "the fast node runs all load for the team"
@@ -436,3 +438,35 @@ async def test_loop_cpu_time_does_not_add_to_modelled_time() -> None:
     assert len(arrivals) == num_tokens
     decode_s = arrivals[-1] - arrivals[0]
     assert (num_tokens - 1) * step_s * 0.95 <= decode_s <= (num_tokens - 1) * step_s * 1.15
+
+
+async def test_busy_port_is_a_config_error() -> None:
+    async with TwinServer(_config()) as first:
+        port = int(first.url.rsplit(":", 1)[1])
+        second = TwinServer(_config(port=port))
+        with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{port}"):
+            await second.start()
+
+
+async def test_real_tokenizer_json(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    vocab = {"[UNK]": 0, "the": 1, "fast": 2, "node": 3}
+    real = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    real.pre_tokenizer = Whitespace()  # type: ignore[assignment]
+    path = tmp_path / "tokenizer.json"
+    real.save(str(path))
+    async with (
+        TwinServer(_config(tokenizer_path=str(path))) as server,
+        aiohttp.ClientSession() as session,
+    ):
+        body = {"prompt": "the fast node runs"}
+        async with session.post(server.url + "/tokenize", json=body) as resp:
+            assert (await resp.json())["tokens"] == [1, 2, 3, 0]
+        body = {"prompt": "the fast node runs", "max_tokens": 2}
+        async with session.post(server.url + "/v1/completions", json=body) as resp:
+            assert (await resp.json())["usage"]["prompt_tokens"] == 4
+    with pytest.raises(ConfigError, match="tokenizer"):
+        TwinServer(_config(tokenizer_path=str(tmp_path / "missing.json")))

@@ -44,7 +44,7 @@ from kiloserve.engine.twin import (
     Watched,
     build_twin,
 )
-from kiloserve.errors import NotFoundError, RequestError
+from kiloserve.errors import ConfigError, NotFoundError, RequestError
 
 __all__ = [
     "VLLM_VERSION",
@@ -362,8 +362,12 @@ class TwinServer:
     async def start(self) -> str:
         """Bind and serve; returns the base URL (``http://host:port``)."""
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port)
-        await site.start()
+        host, port = self.config.host, self.config.port
+        try:
+            await web.TCPSite(self._runner, host, port).start()
+        except OSError as exc:
+            await self._runner.cleanup()
+            raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
         host, port = self._runner.addresses[0][:2]
         self.url = f"http://{host}:{port}"
         return self.url
