@@ -92,3 +92,16 @@ def test_sticky_off_uses_rng_per_request() -> None:
     policy = create_policy("canary", {"splits": {"v2": 0.5}, "sticky_sessions": False})
     got = {policy.choose(req("same-user"), FLEET, random.Random(j)).ranked[0] for j in range(40)}
     assert got == {"c1", "n1"}
+
+
+def test_stale_backend_is_last_within_its_version() -> None:
+    s = ClusterSnapshot(
+        0.0,
+        (
+            backend("s1", "v1", scrape_stale=True),
+            backend("s2", "v1", num_running=30),
+            backend("c1", "v2"),
+        ),
+    )
+    decision = create_policy("canary", {"splits": {"v2": 0.0}}).choose(req(), s, random.Random(0))
+    assert decision.ranked == ("s2", "s1", "c1")

@@ -27,8 +27,12 @@ from pydantic import Field
 
 from kiloserve.policies.base import BackendState, ClusterSnapshot, Decision, RequestInfo
 from kiloserve.policies.params import PolicyParams
-from kiloserve.policies.ranking import least_load_order, rank_by_keys
-from kiloserve.policies.signals import candidates, capacity_weight, is_load_unknown, load_ranks
+from kiloserve.policies.ranking import ids, order_by, rank_by_keys
+from kiloserve.policies.signals import (
+    UNKNOWN_LOAD_OFFSET,
+    candidates,
+    load_ranks,
+)
 from kiloserve.policies.stateless import StatelessHooks
 
 __all__ = ["CostAwareParams", "CostAwarePolicy", "predicted_ttft_ms"]
@@ -49,7 +53,7 @@ def predicted_ttft_ms(
     for b in pool:
         base_ms = fill_ms if b.ewma_ttft_ms is None else b.ewma_ttft_ms
         queue_ms = (b.outstanding_prefill_tokens + input_tokens) * ms_per_prefill_token
-        out.append((base_ms + queue_ms) / capacity_weight(b))
+        out.append((base_ms + queue_ms) / (b.weight * b.effective_weight))
     return out
 
 
@@ -67,12 +71,13 @@ class CostAwarePolicy(StatelessHooks):
         if not pool:
             return Decision(ranked=(), policy=self.name, reason="no eligible backend")
         ttfts_ms = predicted_ttft_ms(pool, request.input_tokens, p.ms_per_prefill_token)
-        meets = [
-            ttft_ms <= p.slo_ttft_ms and not is_load_unknown(b)
-            for b, ttft_ms in zip(pool, ttfts_ms, strict=True)
+        ranks = load_ranks(pool)
+        slo_ms = p.slo_ttft_ms
+        costs = [
+            b.cost_per_hour if ttft_ms <= slo_ms and rank < UNKNOWN_LOAD_OFFSET else math.inf
+            for b, ttft_ms, rank in zip(pool, ttfts_ms, ranks, strict=True)
         ]
-        if not any(meets):
-            return Decision(least_load_order(pool), self.name, reason="no backend meets SLO")
-        costs = [b.cost_per_hour if ok else math.inf for b, ok in zip(pool, meets, strict=True)]
-        ranked = rank_by_keys(pool, costs, load_ranks(pool))
+        if min(costs) == math.inf:
+            return Decision(ids(pool, order_by(ranks)), self.name, reason="no backend meets SLO")
+        ranked = rank_by_keys(pool, costs, ranks)
         return Decision(ranked=ranked, policy=self.name, reason="cheapest")

@@ -47,26 +47,24 @@ class ScoringContext:
 
 def _headroom(loads: list[float], caps: list[int | None]) -> list[float]:
     """``1 - min(1, load / cap)``; a missing cap is the largest finite load (>= 1)."""
-    pool_cap = 1.0
-    for x in loads:
-        if pool_cap < x < _INF:
-            pool_cap = x
-    out = []
-    for load, cap in zip(loads, caps, strict=True):
-        ratio = load / (cap or pool_cap)
-        out.append(0.0 if ratio >= 1.0 else 1.0 - ratio)
-    return out
+    pool_cap = max([x for x in loads if x < _INF], default=1.0)
+    pool_cap = pool_cap if pool_cap > 1.0 else 1.0
+    return [
+        0.0 if (ratio := load / (cap or pool_cap)) >= 1.0 else 1.0 - ratio
+        for load, cap in zip(loads, caps, strict=True)
+    ]
+
+
+def _queue_load(b: BackendState) -> float:
+    running, waiting = b.num_running, b.num_waiting
+    if b.scrape_stale or running is None or waiting is None:
+        return _INF
+    queued = running + waiting
+    return (b.in_flight if b.in_flight > queued else queued) / (b.weight * b.effective_weight)
 
 
 def queue_score(ctx: ScoringContext) -> list[float]:
-    loads = []
-    for b in ctx.pool:
-        running, waiting = b.num_running, b.num_waiting
-        if b.scrape_stale or running is None or waiting is None:
-            loads.append(_INF)
-        else:
-            num = b.in_flight if b.in_flight > running + waiting else running + waiting
-            loads.append(num / (b.weight * b.effective_weight))
+    loads = [_queue_load(b) for b in ctx.pool]
     return _headroom(loads, [b.max_num_seqs for b in ctx.pool])
 
 
