@@ -162,10 +162,7 @@ class UpstreamResponse:
             eol = buf.find(_CRLF, pos)
             if eol < 0:
                 break
-            try:
-                size = int(bytes(buf[pos:eol]).split(b";", 1)[0], 16)
-            except ValueError as exc:
-                raise UpstreamError("bad chunk size from backend") from exc
+            size = _chunk_size(buf, pos, eol)
             if size == 0:  # last chunk, then optional trailers, then an empty line
                 end = buf.find(_HEAD_END, eol)
                 if end < 0:
@@ -178,7 +175,7 @@ class UpstreamResponse:
             out.append(bytes(buf[eol + 2 : eol + 2 + size]))
             pos = eol + 2 + size + 2
         del buf[:pos]
-        return b"".join(out)
+        return out[0] if len(out) == 1 else b"".join(out)
 
     def release(self) -> None:
         """Give the connection back to the pool when the body was fully read."""
@@ -272,6 +269,17 @@ class UpstreamPool:
             for conn in idle:
                 conn.close()
         self._idle.clear()
+
+
+def _chunk_size(buf: bytearray, start: int, end: int) -> int:
+    try:
+        return int(buf[start:end], 16)
+    except ValueError:
+        pass
+    try:  # chunk extensions: "1a;name=value"
+        return int(bytes(buf[start:end]).split(b";", 1)[0], 16)
+    except ValueError as exc:
+        raise UpstreamError("bad chunk size from backend") from exc
 
 
 async def _read_head(conn: _Conn) -> tuple[int, dict[bytes, bytes]]:
