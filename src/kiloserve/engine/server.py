@@ -269,7 +269,9 @@ async def tokenize(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     body = request.app[TWIN_KEY].metrics.render()
-    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
+    return web.Response(
+        body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
+    )
 
 
 async def get_faults(request: web.Request) -> web.Response:
