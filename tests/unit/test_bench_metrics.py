@@ -10,6 +10,7 @@ import pytest
 from kiloserve.bench.metrics import is_good, latency_stats, parse_slo, summarize
 from kiloserve.bench.records import BenchResult, ClientStats, RequestRecord
 from kiloserve.bench.stream import StreamState
+from kiloserve.bench.sweep import find_knee, parse_sweep
 from kiloserve.errors import ConfigError
 
 
@@ -160,3 +161,43 @@ def test_client_stats_warns_when_loop_lags() -> None:
     busy = ClientStats(10.0, 45.0, 80.0, 0.99, 10)
     assert calm.warning() is None
     assert "saturated" in (busy.warning() or "")
+
+
+def test_dispatch_delay_only_for_open_loop() -> None:
+    records = [_record("a", 0.1, [0.01], 2), _record("b", 0.1, [0.01], 2)]
+    records[0].scheduled_s, records[0].start_s = 1.0, 1.002
+    records[1].scheduled_s, records[1].start_s = 2.0, 2.3
+    result = _result(records)
+    result.config = {"arrival": {"mode": "open"}}
+    s = summarize(result)
+    delay = s["dispatch_delay_ms"]
+    assert isinstance(delay, dict) and delay["p50"] == pytest.approx(151.0)
+    assert "sent late" in str(s["dispatch_warning"])
+    result.config = {"arrival": {"mode": "closed", "concurrency": 2}}
+    assert "dispatch_delay_ms" not in summarize(result)
+
+
+def _row(value: float, thr: float) -> dict[str, float]:
+    return {"value": value, "output_token_throughput": thr, "tpot_p50_ms": 10.0 * value}
+
+
+def test_knee_where_throughput_stops_growing() -> None:
+    # seed 002's single-card sweep: 45 tok/s at 1, 110 at 4, then flat
+    rows = [_row(1, 45.0), _row(2, 80.0), _row(4, 110.0), _row(8, 112.0), _row(16, 113.0)]
+    knee = find_knee(rows)
+    assert knee["value"] == 4 and knee["is_saturated"]
+    assert knee["gain_per_doubling"][1] == pytest.approx(80 / 45 - 1)
+    # doubling 4 -> 8 gains < 10%; two doublings 2 -> 8 are judged per doubling
+    sparse = find_knee([_row(2, 80.0), _row(8, 96.0)])
+    assert sparse["gain_per_doubling"][1] == pytest.approx((96 / 80) ** 0.5 - 1)
+    assert sparse["value"] == 2 and sparse["is_saturated"]
+    growing = find_knee([_row(1, 10.0), _row(2, 19.0), _row(4, 35.0)])
+    assert growing["value"] == 4 and not growing["is_saturated"]
+
+
+def test_parse_sweep() -> None:
+    assert parse_sweep("concurrency=8,1,2,4") == ("concurrency", [1.0, 2.0, 4.0, 8.0])
+    assert parse_sweep("rate=0.5,1") == ("rate", [0.5, 1.0])
+    for bad in ("qps=1,2", "concurrency=1.5", "rate=", "rate=-1"):
+        with pytest.raises(ConfigError):
+            parse_sweep(bad)

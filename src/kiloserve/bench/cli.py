@@ -82,8 +82,9 @@ def run(args: argparse.Namespace) -> int:
     summary = summarize(result, slo, command=command)
     paths = write_report(args.out, result, summary, plot=not args.no_plots)
     Console().print(summary_table(summary))
-    if summary.get("client_warning"):
-        console.print(f"[yellow]warning:[/] {summary['client_warning']}")
+    for key in ("client_warning", "dispatch_warning"):
+        if summary.get(key):
+            console.print(f"[yellow]warning:[/] {summary[key]}")
     console.print(f"report: {paths['summary.json'].parent}")
     return 0 if summary["requests_ok"] else 1
 

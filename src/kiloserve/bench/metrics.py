@@ -40,6 +40,7 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 1
+DISPATCH_WARN_P99_MS = 50.0
 PERCENTILES = (50, 90, 95, 99)
 LATENCY_KEYS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 _SLO_PART = re.compile(r"^(ttft|tpot|e2e)=([0-9]*\.?[0-9]+)(us|ms|s)?$")
@@ -152,7 +153,31 @@ def summarize(
     summary["errors"] = top_errors(records)
     slo_dict = slo.to_dict() if slo is not None else None
     summary |= run_info(result, slo_dict, command)
+    summary |= dispatch_delay(result)
     return summary
+
+
+def dispatch_delay(result: BenchResult) -> dict[str, object]:
+    """Open loop only: how late requests were sent against their arrival times.
+
+    A large delay means the client could not keep to the schedule (too slow, or a
+    ``max_concurrency`` cap), so the offered load was lower than asked.
+    """
+    arrival = result.config.get("arrival")
+    if not isinstance(arrival, dict) or arrival.get("mode") != "open":
+        return {}
+    delays_ms = [
+        (r.start_s - r.scheduled_s) * 1000.0 for r in result.records if r.scheduled_s is not None
+    ]
+    stats = latency_stats(delays_ms)
+    out: dict[str, object] = {"dispatch_delay_ms": stats}
+    p99 = stats["p99"]
+    if p99 is not None and p99 > DISPATCH_WARN_P99_MS:
+        out["dispatch_warning"] = (
+            f"requests were sent late (dispatch delay p99 {p99:.0f} ms): the offered load "
+            "was lower than the arrival process asked for"
+        )
+    return out
 
 
 def backend_breakdown(records: Sequence[RequestRecord]) -> dict[str, object]:

@@ -50,9 +50,9 @@ def summary_markdown(summary: Mapping[str, Any]) -> str:
         lines.append(f"| {name} | " + " | ".join(fmt(stats.get(s)) for s in _STATS) + " |")
     lines += ["", "## Throughput and errors", "", *_totals(summary)]
     lines += _backends(summary)
-    warning = summary.get("client_warning")
-    if warning:
-        lines += ["", f"**Warning:** {warning}"]
+    for key in ("client_warning", "dispatch_warning"):
+        if summary.get(key):
+            lines += ["", f"**Warning:** {summary[key]}"]
     errors = summary.get("errors") or {}
     if errors:
         lines += ["", "## Errors", ""] + [f"- {n} x `{msg}`" for msg, n in errors.items()]
