@@ -100,7 +100,8 @@ class RequestStream:
         finally:
             self._waiter = None
 
-    def _wake(self) -> None:
+    def notify(self) -> None:
+        """Wake the handler waiting in ``wait_beyond`` (if any)."""
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -245,7 +246,7 @@ class TwinLoop:
         now_s = self._clock()
         stream.finish_reason = "abort"
         self._metrics.on_finished("abort", now_s - stream.arrival_s)
-        stream._wake()
+        stream.notify()
 
     async def _run(self) -> None:
         try:
@@ -306,7 +307,7 @@ class TwinLoop:
             stream.last_token_s = now_s
             stream.num_generated_tokens += num_new
             if stream.is_notify_each_step:
-                stream._wake()
+                stream.notify()
         for seq in result.finished:
             stream = streams.pop(seq.seq_id, None)
             if stream is None:
@@ -314,7 +315,7 @@ class TwinLoop:
             reason = seq.finish_reason or seq.stop_reason
             stream.finish_reason = reason
             metrics.on_finished(reason, now_s - stream.arrival_s)
-            stream._wake()
+            stream.notify()
 
 
 @dataclass(frozen=True, slots=True)
