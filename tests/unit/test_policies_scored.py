@@ -170,3 +170,26 @@ def test_default_demotes_slow_nodes() -> None:
         ),
     )
     assert policy.choose(req(), s, random.Random(0)).ranked == ("ok", "slow")
+
+
+def test_default_spreads_hot_prefixes_instead_of_piling_them_up() -> None:
+    backends = tuple(
+        backend(f"b{i}", max_num_seqs=64, kv_capacity_tokens=200_000) for i in range(8)
+    )
+    prefixes = [tuple(range(k * 1000, k * 1000 + 50)) for k in range(4)]
+    policy, rng = create_policy("default"), random.Random(0)
+    holders: dict[int, set[str]] = {k: set() for k in range(4)}
+    num_hits = 0
+    for i in range(200):  # requests that never finish: load only grows
+        r = req(input_tokens=900, prefix_hashes=(*prefixes[i % 4], 10**6 + i))
+        bid = policy.choose(r, ClusterSnapshot(0.0, backends), rng).ranked[0]
+        policy.on_dispatch(r, bid)
+        num_hits += bid in holders[i % 4]
+        holders[i % 4].add(bid)
+        b = next(x for x in backends if x.backend_id == bid)
+        b.in_flight += 1
+        b.outstanding_prefill_tokens += 900
+        b.kv_usage = (b.kv_usage or 0.0) + 1000 / 200_000
+    loads = [b.in_flight for b in backends]
+    assert max(loads) - min(loads) <= 8  # no idle backend next to a piled-up one
+    assert num_hits / 200 >= 0.9  # while most requests still find their prefix
