@@ -262,6 +262,8 @@ BAD_INPUTS: list[tuple[str, bytes, int, str | None]] = [
     ("/v1/completions", b'{"prompt": "x", "max_tokens": 0}', 400, "max_tokens"),
     ("/v1/completions", b'{"prompt": "x", "n": 2}', 400, "n"),
     ("/v1/completions", b'{"prompt": ""}', 400, "prompt"),
+    ("/v1/completions", b'{"prompt": [1, 4294967296]}', 400, "prompt"),
+    ("/v1/completions", b'{"prompt": [[1], [2]]}', 400, "prompt"),
     ("/v1/completions", b'{"prompt": "x", "stream": "yes"}', 400, "stream"),
     ("/v1/completions", b'{"prompt": "x", "model": "gpt-4"}', 404, "model"),
     ("/v1/completions", b'{"prompt": "x", "max_tokens": 200000}', 400, "max_tokens"),
@@ -270,6 +272,7 @@ BAD_INPUTS: list[tuple[str, bytes, int, str | None]] = [
     ("/v1/chat/completions", b'{"model": "x"}', 400, "messages"),
     ("/tokenize", b'{"prompt": 5}', 400, "prompt"),
     ("/admin/faults", b'{"slowdwn": 2}', 400, None),
+    ("/admin/faults", b'{"slowdown": 1e300}', 400, "slowdown"),
     ("/v1/nothing", b"{}", 404, None),
 ]
 

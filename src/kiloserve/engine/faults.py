@@ -23,6 +23,7 @@ from kiloserve.errors import RequestError
 
 __all__ = ["FaultInjector", "FaultSet"]
 
+MAX_SLOWDOWN = 10_000.0
 _KEYS = ("slowdown", "error_rate", "status", "hang", "stall_after_tokens", "crash")
 
 
@@ -38,8 +39,10 @@ class FaultSet:
     is_crash: bool = False
 
     def __post_init__(self) -> None:
-        if not (self.slowdown > 0 and self.slowdown < float("inf")):
-            raise RequestError(f"slowdown must be > 0, got {self.slowdown}", param="slowdown")
+        if not 0 < self.slowdown <= MAX_SLOWDOWN:
+            raise RequestError(
+                f"slowdown must be in (0, {MAX_SLOWDOWN:g}], got {self.slowdown}", param="slowdown"
+            )
         if not 0.0 <= self.error_rate <= 1.0:
             raise RequestError("error_rate must be within [0, 1]", param="error_rate")
         if not 400 <= self.error_status <= 599:

@@ -51,6 +51,7 @@ __all__ = [
 TokenizeFn = Callable[[str], list[int]]
 RequestKind = Literal["completion", "chat"]
 DONE_EVENT = b"data: [DONE]\n\n"
+MAX_TOKEN_ID = 2**32 - 1  # token ids are hashed as 4-byte words
 NATURAL_MEDIAN_TOKENS = 150
 NATURAL_SIGMA = 0.8
 # output_word(i) cycles with period len(FILLER_WORDS); the unit tests check it.
@@ -148,7 +149,7 @@ def _as_object(body: object) -> dict[str, object]:
 
 def _is_token_list(value: object) -> bool:
     return isinstance(value, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID for t in value
     )
 
 
@@ -161,7 +162,9 @@ def _prompt_ids(prompt: object, tokenize: TokenizeFn) -> list[int]:
         return list(prompt)
     if isinstance(prompt, list) and len(prompt) > 1:
         raise _field_error("prompt", "the engine twin accepts one prompt per request")
-    raise _field_error("prompt", "'prompt' must be a non-empty string or list of token ids")
+    raise _field_error(
+        "prompt", f"'prompt' must be a non-empty string or list of token ids (0..{MAX_TOKEN_ID})"
+    )
 
 
 def _common(body: dict[str, object], kind: RequestKind, ids: list[int]) -> GenerationRequest:
