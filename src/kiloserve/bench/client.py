@@ -102,16 +102,12 @@ async def run_bench(
                 await run.open_loop(iter(workload), arrival.max_concurrency, duration_s)
         if on_progress is not None:
             on_progress(run.counts)
-    config = {
-        "url": url, "model": model, "endpoint": opts.endpoint, "timeout_s": opts.timeout_s,
-        "arrival": _describe_arrival(arrival), "duration_s": duration_s,
-    }  # fmt: skip
     return BenchResult(
         records=sorted(run.records, key=lambda r: r.start_s),
         duration_s=run.elapsed_s(),
         started_at_unix=run.started_at_unix,
         client=monitor.stats(run.max_in_flight),
-        config=config,
+        config=_describe_run(url, model, opts, arrival, duration_s),
         workload=workload.describe(),
         workload_digest=run.digest.hexdigest(),
     )
@@ -295,6 +291,20 @@ def _max_connections(arrival: ArrivalMode) -> int:
     if isinstance(arrival, ClosedLoop):
         return arrival.concurrency
     return arrival.max_concurrency or 0  # 0: no limit
+
+
+def _describe_run(
+    url: str, model: str, opts: ClientOptions, arrival: ArrivalMode, duration_s: float | None
+) -> dict[str, object]:
+    """The run's configuration as recorded in reports (no API key)."""
+    return {
+        "url": url,
+        "model": model,
+        "endpoint": opts.endpoint,
+        "timeout_s": opts.timeout_s,
+        "arrival": _describe_arrival(arrival),
+        "duration_s": duration_s,
+    }
 
 
 def _describe_arrival(arrival: ArrivalMode) -> dict[str, object]:

@@ -67,6 +67,21 @@ def load_workload(
         )  # fmt: skip
     if time_scale != 1.0 or window is not None:
         raise ConfigError("time_scale and window apply to trace workloads only")
+    return _synthetic_workload(
+        parsed, seed, num_requests, duration_s, rate, burstiness, with_prompts, params
+    )
+
+
+def _synthetic_workload(
+    parsed: WorkloadSpec,
+    seed: int,
+    num_requests: int | None,
+    duration_s: float | None,
+    rate: float | None,
+    burstiness: float,
+    with_prompts: bool,
+    params: dict[str, object],
+) -> Workload:
     make_specs = _synthetic_factory(parsed, seed, with_prompts)
 
     def arrivals() -> Iterator[float | None]:
