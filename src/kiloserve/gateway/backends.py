@@ -25,6 +25,12 @@ from typing import TYPE_CHECKING, Any
 
 from kiloserve.errors import NotFoundError
 from kiloserve.gateway.config import BackendConfig, GatewayConfig
+from kiloserve.policies.accounting import (
+    EWMA_ALPHA,
+    note_complete,
+    note_dispatch,
+    note_first_token,
+)
 from kiloserve.policies.base import BackendState, ClusterSnapshot, Outcome, RequestInfo
 
 if TYPE_CHECKING:
@@ -34,11 +40,6 @@ __all__ = ["EWMA_ALPHA", "BackendRecord", "BackendTable"]
 
 logger = logging.getLogger(__name__)
 
-EWMA_ALPHA = 0.2
-
-
-def _ewma(old: float | None, sample: float) -> float:
-    return sample if old is None else old + EWMA_ALPHA * (sample - old)
 
 
 @dataclass(slots=True)
@@ -150,29 +151,17 @@ class BackendTable:
 
     # -- live counters (hot path) --------------------------------------------------
     def on_dispatch(self, backend_id: str, info: RequestInfo) -> None:
-        s = self._records[backend_id].state
-        s.in_flight += 1
-        s.outstanding_prefill_tokens += info.input_tokens
-        s.outstanding_decode_tokens += info.predicted_output_tokens
+        note_dispatch(self._records[backend_id].state, info)
 
     def on_first_token(self, backend_id: str, info: RequestInfo, ttft_ms: float) -> None:
-        s = self._records[backend_id].state
-        s.outstanding_prefill_tokens = max(0, s.outstanding_prefill_tokens - info.input_tokens)
-        s.ewma_ttft_ms = _ewma(s.ewma_ttft_ms, ttft_ms)
+        note_first_token(self._records[backend_id].state, info, ttft_ms)
 
     def on_complete(
         self, backend_id: str, info: RequestInfo, outcome: Outcome, *, had_first_token: bool
     ) -> None:
-        s = self._records[backend_id].state
-        s.in_flight = max(0, s.in_flight - 1)
-        if not had_first_token:
-            s.outstanding_prefill_tokens = max(0, s.outstanding_prefill_tokens - info.input_tokens)
-        s.outstanding_decode_tokens = max(
-            0, s.outstanding_decode_tokens - info.predicted_output_tokens
+        note_complete(
+            self._records[backend_id].state, info, outcome, had_first_token=had_first_token
         )
-        if outcome.tpot_ms is not None:
-            s.ewma_tpot_ms = _ewma(s.ewma_tpot_ms, outcome.tpot_ms)
-        s.consecutive_errors = 0 if outcome.ok else s.consecutive_errors + 1
 
     # -- scrapes and health --------------------------------------------------------
     def record_scrape(self, backend_id: str, metrics: EngineMetrics, now_s: float) -> None:

@@ -74,6 +74,7 @@ class BackendState:
     outstanding_decode_tokens: int = 0
     ewma_ttft_ms: float | None = None
     ewma_tpot_ms: float | None = None
+    ewma_prefill_work_tokens: float | None = None
     consecutive_errors: int = 0
 
     @property

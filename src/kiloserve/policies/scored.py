@@ -52,6 +52,7 @@ class ScoredParams(PolicyParams):
     max_num_holders_per_block: int = Field(default=8, ge=1)
     max_num_blocks_per_request: int = Field(default=1024, ge=1)
     num_vnodes: int = Field(default=64, ge=1, le=4096)
+    block_size: int = Field(default=16, ge=1)
     include_scores: bool = False
 
     @field_validator("scorers")
@@ -73,7 +74,7 @@ class ScoredPolicy:
         self._scorers = tuple((SCORERS[k], w) for k, w in active.items())
         self._total_weight = sum(active.values())
         self.index: PrefixIndex | None = None
-        if "prefix" in active:
+        if "prefix" in active or "ttft" in active:
             self.index = PrefixIndex(p.max_num_blocks, p.max_num_holders_per_block)
         self._rings = RingCache(p.num_vnodes) if "session" in active else None
 
@@ -122,7 +123,9 @@ class ScoredPolicy:
         self, request: RequestInfo, snapshot: ClusterSnapshot, pool: list[BackendState]
     ) -> ScoringContext:
         p = self.params
-        ctx = ScoringContext(request=request, pool=pool, latency_metric=p.latency_metric)
+        ctx = ScoringContext(
+            request=request, pool=pool, latency_metric=p.latency_metric, block_size=p.block_size
+        )
         hashes = request.prefix_hashes[: p.max_num_blocks_per_request]
         if self.index is not None and hashes and request.input_tokens >= p.min_prompt_tokens:
             ctx.prefix_depths = self.index.match_depths(hashes)

@@ -16,6 +16,11 @@ lowers them; unknown scraped state scores 0 (saturated), never 1.
   TPOT) divided by capacity weight; unknown latency takes the pool mean.
 * ``session``: 1 for the backends of the group the session key hashes to, else 0.
 * ``weight``: ``weight * effective_weight`` / the pool's largest.
+* ``ttft``: ``min_pred / pred`` over the pool, ``pred`` being the predicted time to
+  first token: the backend's learned prefill speed (``accounting.prefill_ms_per_token``;
+  unknown takes the pool median) times the prefill work it would have (outstanding
+  prefill tokens plus this request's tokens not already cached there, from the prefix
+  index), divided by capacity weight. Long prompts go to fast, idle prefills.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
 
+from kiloserve.policies.accounting import prefill_ms_per_token
 from kiloserve.policies.base import BackendState, RequestInfo
 from kiloserve.policies.hash_ring import group_name
 from kiloserve.policies.signals import capacity_weight, kv_free_fractions, token_loads
@@ -32,7 +38,7 @@ from kiloserve.policies.signals import capacity_weight, kv_free_fractions, token
 __all__ = ["SCORERS", "ScorerName", "ScoringContext"]
 
 _INF = float("inf")
-ScorerName = Literal["queue", "tokens", "kv", "prefix", "latency", "session", "weight"]
+ScorerName = Literal["queue", "tokens", "kv", "prefix", "latency", "session", "weight", "ttft"]
 
 
 @dataclass(slots=True)
@@ -43,6 +49,7 @@ class ScoringContext:
     num_prefix_blocks: int = 0
     session_group: str | None = None
     latency_metric: Literal["ttft", "tpot"] = "ttft"
+    block_size: int = 16
 
 
 def _headroom(loads: list[float], caps: list[int | None]) -> list[float]:
@@ -110,6 +117,20 @@ def weight_score(ctx: ScoringContext) -> list[float]:
     return [w / top for w in weights]
 
 
+def ttft_score(ctx: ScoringContext) -> list[float]:
+    speeds = [prefill_ms_per_token(b) for b in ctx.pool]
+    known = sorted(x for x in speeds if x is not None)
+    fill = known[len(known) // 2] if known else 1.0
+    tokens, depths, bs = ctx.request.input_tokens, ctx.prefix_depths, ctx.block_size
+    preds = []
+    for b, speed in zip(ctx.pool, speeds, strict=True):
+        new_tokens = max(1, tokens - depths.get(b.backend_id, 0) * bs) if depths else tokens
+        work = b.outstanding_prefill_tokens + new_tokens
+        preds.append((fill if speed is None else speed) * work / capacity_weight(b))
+    best = min(preds)
+    return [1.0 if p <= 0.0 else best / p for p in preds]
+
+
 SCORERS: Mapping[str, Callable[[ScoringContext], list[float]]] = MappingProxyType(
     {
         "queue": queue_score,
@@ -119,5 +140,6 @@ SCORERS: Mapping[str, Callable[[ScoringContext], list[float]]] = MappingProxyTyp
         "latency": latency_score,
         "session": session_score,
         "weight": weight_score,
+        "ttft": ttft_score,
     }
 )

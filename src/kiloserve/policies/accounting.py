@@ -1,0 +1,68 @@
+"""Live per-backend accounting shared by the gateway and the simulator.
+
+Both keep a ``BackendState`` per backend and call these at the same moments of a
+request's life, so the state a policy sees is built the same way live and simulated:
+
+* ``note_dispatch``: the request was sent (in-flight, outstanding token work, and the
+  prefill work queued ahead of it: outstanding prefill tokens plus its own input);
+* ``note_first_token``: its first token arrived (prefill done; TTFT sample);
+* ``note_complete``: it ended, well or not (TPOT sample, error streak).
+
+Learned prefill speed: ``ewma_ttft_ms / ewma_prefill_work_tokens`` is the backend's
+observed milliseconds of TTFT per token of prefill work queued at dispatch (a ratio of
+EWMAs over the same requests). It captures GPU speed and engine overheads without
+knowing the hardware, and ``prefill_ms_per_token`` exposes it to policies.
+"""
+
+from __future__ import annotations
+
+from kiloserve.policies.base import BackendState, Outcome, RequestInfo
+
+__all__ = [
+    "EWMA_ALPHA",
+    "ewma",
+    "note_complete",
+    "note_dispatch",
+    "note_first_token",
+    "prefill_ms_per_token",
+]
+
+EWMA_ALPHA = 0.2
+
+
+def ewma(old: float | None, sample: float, alpha: float = EWMA_ALPHA) -> float:
+    """Exponentially weighted moving average; the first sample seeds it."""
+    return sample if old is None else old + alpha * (sample - old)
+
+
+def note_dispatch(s: BackendState, info: RequestInfo) -> None:
+    s.in_flight += 1
+    work = s.outstanding_prefill_tokens + info.input_tokens
+    s.ewma_prefill_work_tokens = ewma(s.ewma_prefill_work_tokens, float(work))
+    s.outstanding_prefill_tokens += info.input_tokens
+    s.outstanding_decode_tokens += info.predicted_output_tokens
+
+
+def note_first_token(s: BackendState, info: RequestInfo, ttft_ms: float) -> None:
+    s.outstanding_prefill_tokens = max(0, s.outstanding_prefill_tokens - info.input_tokens)
+    s.ewma_ttft_ms = ewma(s.ewma_ttft_ms, ttft_ms)
+
+
+def note_complete(
+    s: BackendState, info: RequestInfo, outcome: Outcome, *, had_first_token: bool
+) -> None:
+    s.in_flight = max(0, s.in_flight - 1)
+    if not had_first_token:
+        s.outstanding_prefill_tokens = max(0, s.outstanding_prefill_tokens - info.input_tokens)
+    s.outstanding_decode_tokens = max(0, s.outstanding_decode_tokens - info.predicted_output_tokens)
+    if outcome.tpot_ms is not None:
+        s.ewma_tpot_ms = ewma(s.ewma_tpot_ms, outcome.tpot_ms)
+    s.consecutive_errors = 0 if outcome.ok else s.consecutive_errors + 1
+
+
+def prefill_ms_per_token(s: BackendState) -> float | None:
+    """Observed TTFT per token of queued prefill work; None until both EWMAs exist."""
+    work = s.ewma_prefill_work_tokens
+    if s.ewma_ttft_ms is None or work is None or work <= 0.0:
+        return None
+    return s.ewma_ttft_ms / work
