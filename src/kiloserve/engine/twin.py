@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -167,6 +167,7 @@ class TwinLoop:
         block_size: int = 16,
         api_overhead_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self._core = core
         self._metrics = metrics
@@ -175,6 +176,7 @@ class TwinLoop:
         self._block_size = block_size
         self.api_overhead_s = api_overhead_s
         self._clock = clock
+        self._sleep = sleep  # with ``clock``, replaceable so tests can fake time
         self._streams: dict[str, RequestStream] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -278,7 +280,7 @@ class TwinLoop:
             deadline_s = start_s + result.duration_s * self._faults.slowdown
             delay_s = deadline_s - self._clock()
             if delay_s > 0:
-                await asyncio.sleep(delay_s)
+                await self._sleep(delay_s)
                 last_yield_s = self._clock()
             elif self._clock() - last_yield_s >= YIELD_EVERY_S:
                 await asyncio.sleep(0)
