@@ -70,9 +70,10 @@ async def test_slowdown_at_run_time_and_clear(twin: TwinServer) -> None:
         slow_s = await _timed_completion(session, twin.url, 10)
         assert await _post(session, twin.url + "/admin/faults", {}) == (200, {})
         again_s = await _timed_completion(session, twin.url, 10)
-    assert 0.08 <= base_s <= 0.3  # 10 steps of 10 ms
-    assert slow_s >= 3 * base_s
-    assert again_s < slow_s / 2
+    # 10 steps of 10 ms; tokens are never early, and late only by load (loose bounds)
+    assert 0.09 <= base_s <= 0.35
+    assert slow_s >= 4 * 0.09  # impossible without the slowdown
+    assert 0.09 <= again_s <= 0.35
 
 
 async def test_error_rate_uses_status_and_openai_body(twin: TwinServer) -> None:
