@@ -124,10 +124,9 @@ def _check_model(model: str, table: BackendTable) -> None:
 def _decide(ctx: ProxyContext, info: RequestInfo) -> tuple[str, ...]:
     """The policy's ranked backends, restricted to the model's routable pool."""
     decision: Decision = ctx.policy.choose(info, ctx.table.snapshot(time.monotonic()), ctx.rng)
-    states = ctx.table
-    ranked = tuple(
-        b for b in decision.ranked if b in states.pool_ids(info.model) and states.is_routable(b)
-    )
+    table = ctx.table
+    pool = table.pool_ids(info.model)
+    ranked = tuple(b for b in decision.ranked if b in pool and table.is_routable(b))
     if ranked:
         ctx.metrics.decision(decision.policy, ranked[0])
     return ranked

@@ -41,7 +41,6 @@ __all__ = ["EWMA_ALPHA", "BackendRecord", "BackendTable"]
 logger = logging.getLogger(__name__)
 
 
-
 @dataclass(slots=True)
 class BackendRecord:
     """A backend's live state plus the bookkeeping the table needs about it."""

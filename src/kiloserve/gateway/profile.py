@@ -150,7 +150,10 @@ class Profiler:
             ids = encoder(prompt)
             head = ids[: self._max_prefix_tokens]
             return len(ids), tuple(block_hashes(head, self._block_size))
-        return count_tokens(prompt), self._approx_prefix_hashes(prompt)
+        num_tokens = count_tokens(prompt)
+        if num_tokens < self._block_size:  # not one full block: no hashes to compute
+            return num_tokens, ()
+        return num_tokens, self._approx_prefix_hashes(prompt)
 
     def _approx_prefix_hashes(self, text: str) -> tuple[int, ...]:
         max_chars = self._max_prefix_tokens * MAX_PIECE_CHARS
