@@ -220,3 +220,20 @@ def test_cli_rejects_bad_arguments(server: FakeServer, tmp_path: Path) -> None:
     assert main([*base, "--workload", "nonsense"]) == 2
     assert main([*base, "--workload", SPEC]) == 2  # neither rate nor concurrency
     assert main([*base, "--workload", SPEC, "--rate", "1", "--concurrency", "2"]) == 2
+
+
+def test_cli_replays_a_trace_window(server: FakeServer, tmp_path: Path) -> None:
+    traces = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "traces"
+    if not traces.is_dir():
+        pytest.skip("no shipped traces")
+    out = tmp_path / "trace"
+    code = main(["bench", "--url", server.url + "/v1", "--model", "m", "--workload",
+                 "azure-code", "--window", "0:3", "--time-scale", "0.5", "--out", str(out),
+                 "--traces-dir", str(traces), "--no-progress", "--no-plots"])  # fmt: skip
+    assert code == 0
+    summary = orjson.loads((out / "summary.json").read_bytes())
+    assert summary["requests_ok"] == 12  # the whole window, not the 200 default
+    assert summary["workload"]["time_scale"] == 0.5
+    assert summary["config"]["arrival"]["mode"] == "open"
+    assert summary["dispatch_delay_ms"]["p50"] < 50.0
+    assert not (out / "ttft_cdf.png").exists()

@@ -27,7 +27,14 @@ from kiloserve.bench.report import write_report
 from kiloserve.bench.sweep import parse_sweep, run_sweep, write_sweep
 from kiloserve.bench.tables import fmt
 from kiloserve.errors import ConfigError
-from kiloserve.workload import ArrivalMode, ClosedLoop, OpenLoop, Workload, load_workload
+from kiloserve.workload import (
+    ArrivalMode,
+    ClosedLoop,
+    OpenLoop,
+    Workload,
+    load_workload,
+    parse_workload_spec,
+)
 
 __all__ = ["add_arguments", "run"]
 
@@ -50,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--max-concurrency", type=int, help="open loop: cap on requests in flight")
     a("--duration", type=float, help="seconds of arrivals (or of sending, closed loop)")
     a("--num-requests", type=int,
-      help=f"number of requests (default {DEFAULT_NUM_REQUESTS} without --duration)")  # fmt: skip
+      help=f"number of requests (default {DEFAULT_NUM_REQUESTS} without --duration; "
+           "a trace with --window replays the whole window)")  # fmt: skip
     a("--seed", type=int, default=0, help="workload seed (default 0)")
     a("--slo", help="goodput SLOs, e.g. ttft=500ms,tpot=50ms,e2e=2s")
     a("--endpoint", choices=sorted(ENDPOINTS), default="completions")
@@ -119,7 +127,8 @@ def _run_sweep(
 
 def _workload(args: argparse.Namespace, seed: int, rate: float | None) -> Workload:
     num_requests = args.num_requests
-    if num_requests is None and args.duration is None:
+    replays_window = args.window is not None and parse_workload_spec(args.workload).is_trace
+    if num_requests is None and args.duration is None and not replays_window:
         num_requests = DEFAULT_NUM_REQUESTS
     return load_workload(
         args.workload, seed=seed, num_requests=num_requests, duration_s=args.duration,
