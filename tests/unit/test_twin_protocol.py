@@ -15,6 +15,7 @@ from kiloserve.engine.protocol import (
     ChunkEncoder,
     GenerationRequest,
     natural_output_tokens,
+    next_stream_chunks,
     output_text,
     output_word_json,
     parse_chat,
@@ -228,3 +229,21 @@ def test_lag_tracker_warns_only_when_lag_is_sustained(caplog: pytest.LogCaptureF
         tracker.update(0.2, now_s=105.0)  # rate-limited
     assert len(caplog.records) == 1 and "lags 200 ms" in caplog.records[0].getMessage()
     assert sink.values[2] == 0.0 and sink.values[-1] == 0.2
+
+
+def test_next_stream_chunks_finish_and_stall() -> None:
+    enc = ChunkEncoder("completion", "cmpl-1", "m", 1)
+    data, num_sent, is_stalled = next_stream_chunks(enc, 0, 3, None, None)
+    assert (len(_events(data)), num_sent, is_stalled) == (3, 3, False)
+    data, num_sent, _ = next_stream_chunks(enc, 3, 5, "stop", None)
+    events = _events(data)
+    assert num_sent == 5 and events[-1]["choices"][0]["finish_reason"] == "stop"  # type: ignore[index]
+    data, _, _ = next_stream_chunks(enc, 5, 5, "length", None)  # finish with no new token
+    assert _events(data)[0]["choices"][0]["finish_reason"] == "length"  # type: ignore[index]
+    data, num_sent, is_stalled = next_stream_chunks(enc, 2, 9, None, 5)
+    assert (len(_events(data)), num_sent, is_stalled) == (3, 5, True)
+    data, num_sent, is_stalled = next_stream_chunks(enc, 0, 9, "stop", 5)  # stall wins
+    assert (len(_events(data)), num_sent, is_stalled) == (5, 5, True)
+    assert b'finish_reason":"stop' not in data
+    data, num_sent, is_stalled = next_stream_chunks(enc, 4, 6, None, 3)  # stall set late
+    assert (data, num_sent, is_stalled) == (b"", 4, True)

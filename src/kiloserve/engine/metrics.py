@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -24,6 +25,7 @@ __all__ = [
     "EngineStats",
     "LagTracker",
     "TwinMetrics",
+    "read_engine_stats",
 ]
 
 TTFT_BUCKETS_S = (
@@ -57,6 +59,35 @@ class EngineStats:
     prefix_cache_queries_tokens: int
     prefix_cache_hits_tokens: int
     num_preemptions_total: int
+
+
+class StatsSource(Protocol):
+    """What ``EngineCore`` exposes for metrics."""
+
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def kv_usage(self) -> float: ...
+    @property
+    def prefix_cache_queries_tokens(self) -> int: ...
+    @property
+    def prefix_cache_hits_tokens(self) -> int: ...
+    @property
+    def num_preemptions_total(self) -> int: ...
+
+
+def read_engine_stats(core: StatsSource) -> EngineStats:
+    """Snapshot an engine core's stats."""
+    return EngineStats(
+        num_running=core.num_running,
+        num_waiting=core.num_waiting,
+        kv_usage=core.kv_usage,
+        prefix_cache_queries_tokens=core.prefix_cache_queries_tokens,
+        prefix_cache_hits_tokens=core.prefix_cache_hits_tokens,
+        num_preemptions_total=core.num_preemptions_total,
+    )
 
 
 class _EngineStatsCollector(Collector):

@@ -40,6 +40,7 @@ __all__ = [
     "TokenizeFn",
     "load_tokenizer",
     "natural_output_tokens",
+    "next_stream_chunks",
     "output_text",
     "output_word_json",
     "parse_chat",
@@ -341,3 +342,25 @@ class ChunkEncoder:
         body = {"id": self.request_id, "object": obj, "created": self.created}
         body.update(model=self.model, choices=[choice], usage=_usage(num_prompt, num_completion))
         return orjson.dumps(body)
+
+
+def next_stream_chunks(
+    encoder: ChunkEncoder,
+    num_sent: int,
+    num_ready: int,
+    finish_reason: str | None,
+    stall_after_tokens: int | None,
+) -> tuple[bytes, int, bool]:
+    """``(bytes to write, new num_sent, is_stalled)`` for the tokens ready now.
+
+    With ``stall_after_tokens`` reached the stream stalls: tokens up to the stall
+    point are sent, no finish chunk, and the caller sends nothing more.
+    """
+    if stall_after_tokens is not None and num_ready >= stall_after_tokens:
+        num_end = max(num_sent, stall_after_tokens)
+        return encoder.token_chunks(num_sent, num_end - num_sent, None), num_end, True
+    if finish_reason is None:
+        return encoder.token_chunks(num_sent, num_ready - num_sent, None), num_ready, False
+    if num_ready == num_sent:
+        return encoder.finish_chunk(finish_reason), num_ready, False
+    return encoder.token_chunks(num_sent, num_ready - num_sent, finish_reason), num_ready, False

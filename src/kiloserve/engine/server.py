@@ -31,6 +31,7 @@ from kiloserve.engine.protocol import (
     ChunkEncoder,
     GenerationRequest,
     TokenizeFn,
+    next_stream_chunks,
     parse_chat,
     parse_completion,
     plan_output,
@@ -163,23 +164,6 @@ async def _send_full(twin: Twin, gen: GenerationRequest, stream: RequestStream) 
     return web.Response(body=body, content_type="application/json")
 
 
-def _next_chunks(
-    twin: Twin, encoder: ChunkEncoder, stream: RequestStream, num_sent: int
-) -> tuple[bytes, int, bool]:
-    """(bytes to write, new num_sent, is_stalled) for the tokens ready now."""
-    num_ready = stream.num_generated_tokens
-    stall = twin.faults.faults.stall_after_tokens
-    if stall is not None and num_ready >= stall:
-        num_end = max(num_sent, stall)
-        return encoder.token_chunks(num_sent, num_end - num_sent, None), num_end, True
-    reason = stream.finish_reason
-    if reason is None:
-        return encoder.token_chunks(num_sent, num_ready - num_sent, None), num_ready, False
-    if num_ready == num_sent:
-        return encoder.finish_chunk(reason), num_ready, False
-    return encoder.token_chunks(num_sent, num_ready - num_sent, reason), num_ready, False
-
-
 async def _send_stream(
     request: web.Request,
     twin: Twin,
@@ -198,7 +182,13 @@ async def _send_stream(
             await stream.wait_beyond(num_sent)
             if stream.finish_reason == "abort":
                 return response
-            data, num_sent, is_stalled = _next_chunks(twin, encoder, stream, num_sent)
+            data, num_sent, is_stalled = next_stream_chunks(
+                encoder,
+                num_sent,
+                stream.num_generated_tokens,
+                stream.finish_reason,
+                twin.faults.faults.stall_after_tokens,
+            )
             if is_stalled:
                 await response.write(data)
                 await entry.gone.wait()  # keep the connection open, send nothing more

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -30,7 +31,7 @@ from kiloserve.catalog import get_gpu, get_model
 from kiloserve.engine.config import EngineConfig
 from kiloserve.engine.core import EngineCore, StepTimer
 from kiloserve.engine.faults import FaultInjector, FaultSet
-from kiloserve.engine.metrics import EngineStats, LagTracker, TwinMetrics
+from kiloserve.engine.metrics import EngineStats, LagTracker, TwinMetrics, read_engine_stats
 from kiloserve.engine.protocol import TokenizeFn, load_tokenizer
 from kiloserve.engine.sequence import Sequence
 from kiloserve.plan.memory import plan_memory
@@ -355,20 +356,6 @@ class Twin:
     created_s: int
 
 
-def _engine_stats(core: EngineCore) -> Callable[[], EngineStats]:
-    def read() -> EngineStats:
-        return EngineStats(
-            num_running=core.num_running,
-            num_waiting=core.num_waiting,
-            kv_usage=core.kv_usage,
-            prefix_cache_queries_tokens=core.prefix_cache_queries_tokens,
-            prefix_cache_hits_tokens=core.prefix_cache_hits_tokens,
-            num_preemptions_total=core.num_preemptions_total,
-        )
-
-    return read
-
-
 def build_twin(config: TwinConfig, timer: StepTimer | None = None) -> Twin:
     """Assemble a twin; raises ``CatalogError``, ``ConfigError`` or ``DoesNotFitError``.
 
@@ -397,7 +384,7 @@ def build_twin(config: TwinConfig, timer: StepTimer | None = None) -> Twin:
     core = EngineCore(engine_config, timer)
     name = config.served_model_name or model.name
     faults = FaultInjector(config.faults, config.seed)
-    stats_fn = _engine_stats(core)
+    stats_fn = functools.partial(read_engine_stats, core)
     metrics = TwinMetrics(name, stats_fn)
     overhead_s = config.api_overhead_s
     if overhead_s is None:
