@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import signal
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -237,3 +241,40 @@ def test_cli_replays_a_trace_window(server: FakeServer, tmp_path: Path) -> None:
     assert summary["config"]["arrival"]["mode"] == "open"
     assert summary["dispatch_delay_ms"]["p50"] < 50.0
     assert not (out / "ttft_cdf.png").exists()
+
+
+def test_stop_event_ends_an_unbounded_run(server: FakeServer) -> None:
+    async def scenario() -> Any:
+        stop = asyncio.Event()
+        workload = load_workload(SPEC, seed=0, duration_s=60.0)  # closed loop, unbounded
+        asyncio.get_running_loop().call_later(0.4, stop.set)
+        return await run_bench(server.url, "m", workload, ClosedLoop(3), duration_s=60.0,
+                               stop=stop)  # fmt: skip
+
+    t0 = time.perf_counter()
+    result = asyncio.run(scenario())
+    assert time.perf_counter() - t0 < 5.0
+    assert result.config["stopped_early"] is True
+    assert result.records and all(r.is_ok for r in result.records)  # in-flight ones finished
+
+
+def test_ctrl_c_writes_a_partial_report(server: FakeServer, tmp_path: Path) -> None:
+    out = tmp_path / "partial"
+    cmd = [sys.executable, "-m", "kiloserve", "bench", "--url", server.url, "--model", "m",
+           "--workload", SPEC, "--concurrency", "2", "--duration", "60", "--out", str(out),
+           "--no-progress", "--no-plots"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 15.0
+        while len(server.bodies) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err.decode()
+    summary = orjson.loads((out / "summary.json").read_bytes())
+    assert summary["config"]["stopped_early"] is True and summary["requests_ok"] >= 1
+    assert "stopped early" in (out / "summary.md").read_text()

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -23,6 +25,7 @@ from rich.table import Table
 
 from kiloserve.bench.client import ENDPOINTS, ClientOptions, ProgressCounts, run_bench
 from kiloserve.bench.metrics import Slo, parse_slo, summarize
+from kiloserve.bench.records import BenchResult
 from kiloserve.bench.report import write_report
 from kiloserve.bench.sweep import parse_sweep, run_sweep, write_sweep
 from kiloserve.bench.tables import fmt
@@ -83,10 +86,7 @@ def run(args: argparse.Namespace) -> int:
     workload = _workload(args, args.seed, args.rate)
     arrival = _arrival(args, workload)
     with _progress(console, workload, args) as hook:
-        result = asyncio.run(
-            run_bench(args.url, args.model, workload, arrival, options=options,
-                      duration_s=args.duration, on_progress=hook)
-        )  # fmt: skip
+        result = asyncio.run(_bench(args, workload, arrival, options, hook, console))
     summary = summarize(result, slo, command=command)
     paths = write_report(args.out, result, summary, plot=not args.no_plots)
     Console().print(summary_table(summary))
@@ -95,6 +95,30 @@ def run(args: argparse.Namespace) -> int:
             console.print(f"[yellow]warning:[/] {summary[key]}")
     console.print(f"report: {paths['summary.json'].parent}")
     return 0 if summary["requests_ok"] else 1
+
+
+async def _bench(
+    args: argparse.Namespace, workload: Workload, arrival: ArrivalMode, options: ClientOptions,
+    hook: ProgressHook | None, console: Console,
+) -> BenchResult:  # fmt: skip
+    """``run_bench`` where the first Ctrl-C stops sending (in-flight requests finish and
+    the report is written) and a second one aborts."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_sigint() -> None:
+        console.print("[yellow]stopping: waiting for requests in flight (Ctrl-C again aborts)")
+        stop.set()
+        loop.remove_signal_handler(signal.SIGINT)
+
+    with contextlib.suppress(NotImplementedError, RuntimeError):
+        loop.add_signal_handler(signal.SIGINT, on_sigint)
+    try:
+        return await run_bench(args.url, args.model, workload, arrival, options=options,
+                               duration_s=args.duration, on_progress=hook, stop=stop)  # fmt: skip
+    finally:
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.remove_signal_handler(signal.SIGINT)
 
 
 def _run_sweep(

@@ -78,19 +78,22 @@ async def run_bench(
     duration_s: float | None = None,
     on_progress: ProgressHook | None = None,
     progress_interval_s: float = 0.25,
+    stop: asyncio.Event | None = None,
 ) -> BenchResult:
     """Send ``workload`` to the OpenAI-compatible server at ``url``; return all records.
 
     ``arrival`` is ``OpenLoop`` (send at each spec's ``arrival_s``) or ``ClosedLoop``
     (keep N in flight). ``duration_s`` stops sending new requests after that long
-    (in-flight ones finish); needed for unbounded closed-loop workloads.
+    (in-flight ones finish); needed for unbounded closed-loop workloads. Setting
+    ``stop`` does the same at any time (the CLI sets it on the first Ctrl-C); the
+    result's ``config["stopped_early"]`` says so.
     """
     opts = options or ClientOptions()
     target = endpoint_url(url, opts.endpoint)
     _check_run(workload, arrival, duration_s)
     max_conns = _max_connections(arrival)
     _raise_fd_limit(max_conns)
-    run = _Run(target, model, opts, workload.num_requests)
+    run = _Run(target, model, opts, workload.num_requests, stop or asyncio.Event())
     connector = aiohttp.TCPConnector(limit=max_conns, limit_per_host=0, ttl_dns_cache=300)
     async with aiohttp.ClientSession(connector=connector, headers=_headers(opts)) as session:
         run.session = session
@@ -107,7 +110,7 @@ async def run_bench(
         duration_s=run.elapsed_s(),
         started_at_unix=run.started_at_unix,
         client=monitor.stats(run.max_in_flight),
-        config=_describe_run(url, model, opts, arrival, duration_s),
+        config=_describe_run(url, model, opts, arrival, duration_s) | run.stopped(),
         workload=workload.describe(),
         workload_digest=run.digest.hexdigest(),
     )
@@ -148,8 +151,10 @@ def build_body(spec: RequestSpec, model: str, opts: ClientOptions) -> bytes:
 class _Run:
     """State of one run: the session, counters, records and the workload digest."""
 
-    def __init__(self, target: str, model: str, opts: ClientOptions, total: int | None) -> None:
-        self.target, self.model, self.opts = target, model, opts
+    def __init__(
+        self, target: str, model: str, opts: ClientOptions, total: int | None, stop: asyncio.Event
+    ) -> None:
+        self.target, self.model, self.opts, self.stop = target, model, opts, stop
         self.session: aiohttp.ClientSession | None = None
         self.records: list[RequestRecord] = []
         self.counts = ProgressCounts(total=total)
@@ -157,6 +162,16 @@ class _Run:
         self.max_in_flight = 0
         self.started_at_unix = time.time()
         self.t0 = time.perf_counter()
+
+    def stopped(self) -> dict[str, object]:
+        return {"stopped_early": self.stop.is_set()}
+
+    async def wait_until(self, at_s: float) -> None:
+        """Sleep until ``t0 + at_s`` or until ``stop`` is set."""
+        delay_s = self.t0 + at_s - time.perf_counter()
+        if delay_s > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), delay_s)
 
     def elapsed_s(self) -> float:
         return time.perf_counter() - self.t0
@@ -179,9 +194,9 @@ class _Run:
                 raise ConfigError("open-loop run needs arrival times; give a rate or concurrency")
             if duration_s is not None and spec.arrival_s >= duration_s:
                 break
-            delay_s = self.t0 + spec.arrival_s - time.perf_counter()
-            if delay_s > 0:
-                await asyncio.sleep(delay_s)
+            await self.wait_until(spec.arrival_s)
+            if self.stop.is_set():
+                break
             if sem is not None:
                 await sem.acquire()
             task = asyncio.create_task(self.send(spec))
@@ -198,7 +213,7 @@ class _Run:
         deadline = None if duration_s is None else self.t0 + duration_s
 
         async def worker() -> None:
-            while deadline is None or time.perf_counter() < deadline:
+            while (deadline is None or time.perf_counter() < deadline) and not self.stop.is_set():
                 spec = next(specs, None)
                 if spec is None:
                     return

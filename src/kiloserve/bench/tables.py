@@ -62,7 +62,8 @@ def summary_markdown(summary: Mapping[str, Any]) -> str:
 def _provenance(summary: Mapping[str, Any]) -> list[str]:
     command = summary.get("command")
     config = summary.get("config") or {}
-    return [
+    stopped = ["- **stopped early** (Ctrl-C): fewer requests than planned"]
+    return (stopped if config.get("stopped_early") else []) + [
         f"- command: `{' '.join(command)}`" if command else "- command: (library call)",
         f"- url: {config.get('url')}, model: {config.get('model')}, "
         f"endpoint: {config.get('endpoint')}, arrival: {config.get('arrival')}",
