@@ -54,3 +54,11 @@ def test_bad_specs_name_the_problem(text: str, fragment: str) -> None:
 def test_bad_distributions(text: str) -> None:
     with pytest.raises(ConfigError):
         parse_dist(text)
+
+
+def test_public_surface_is_importable() -> None:
+    import kiloserve.workload as workload
+
+    assert sorted(workload.__all__) == sorted(set(workload.__all__))
+    for name in workload.__all__:
+        assert hasattr(workload, name), name
