@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import aiohttp
 import orjson
+import pytest
+from aiohttp import web
 from openai import AsyncOpenAI
 from test_gateway_fakes import FakeBackend, fake_backends, gateway_config, running_gateway
 
 from conftest import free_port
+from kiloserve.gateway.sse import SseRelay
 
 
 def _client(url: str) -> AsyncOpenAI:
@@ -216,3 +220,79 @@ async def test_stream_profile_reaches_upstream_unchanged_for_chat_parts() -> Non
     sent = fake.bodies[0]
     assert sent["unknown"] == {"deep": [1, 2]}
     assert sent["stream_options"] == {"include_usage": True, "continuous_usage_stats": False}
+
+
+USAGE_EVENT = b'data: {"id":"x","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":7}}'
+
+
+@pytest.mark.parametrize("sep", [b"\n\n", b"\r\n\r\n"])
+def test_sse_relay_frames_events_and_strips_usage(sep: bytes) -> None:
+    events = [b'data: {"choices":[{"text":"a"}],"usage":null}', USAGE_EVENT, b"data: [DONE]"]
+    stream = b"".join(e + sep for e in events)
+    for strip in (True, False):
+        relay = SseRelay(strip_usage=strip)
+        out = [relay.feed(stream[i : i + 7]) for i in range(0, len(stream), 7)]
+        out.append(relay.flush())
+        expected = stream if not strip else events[0] + sep + events[2] + sep
+        assert b"".join(out) == expected
+        assert relay.completion_tokens == 7 and relay.prompt_tokens == 3
+        # every forwarded piece ends on an event boundary
+        assert all(piece.endswith(sep) for piece in out if piece)
+
+
+def test_sse_relay_passes_huge_unterminated_data_on() -> None:
+    relay = SseRelay(strip_usage=True)
+    blob = b"data: " + b"x" * (2 << 20)
+    assert relay.feed(blob) == blob
+    assert relay.feed(b"tail") == b"" and relay.flush() == b"tail"
+
+
+async def test_stream_relay_with_crlf_backend() -> None:
+    fake = FakeBackend(num_chunks=3, chunk_delay_s=0.01)
+    async with fake_backends(fake):
+        fake_app_stream = fake._stream
+
+        async def crlf_stream(request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for i in range(3):
+                await resp.write(b'data: {"choices":[{"index":0,"text":"t%d"}]}\r\n\r\n' % i)
+                await asyncio.sleep(0.01)
+            await resp.write(USAGE_EVENT + b"\r\n\r\ndata: [DONE]\r\n\r\n")
+            return resp
+
+        fake._stream = crlf_stream  # type: ignore[method-assign]
+        cfg = gateway_config([{"url": fake.url}])
+        async with (
+            running_gateway(cfg) as url,
+            aiohttp.ClientSession() as s,
+            s.post(url + "/v1/completions", json={"model": "m", "stream": True}) as r,
+        ):
+            arrivals = []
+            while chunk := await r.content.readany():
+                arrivals.append(chunk)
+        fake._stream = fake_app_stream  # type: ignore[method-assign]
+    data = b"".join(arrivals)
+    assert data.count(b"data: ") == 4 and b"usage" not in data
+    assert len(arrivals) >= 3  # relayed as they came, not buffered to the end
+
+
+async def test_client_disconnect_before_first_token_closes_upstream() -> None:
+    # headers are sent at once, the first token never comes
+    async with fake_backends(FakeBackend(num_chunks=1, chunk_delay_s=30.0)) as (fake,):
+        cfg = gateway_config([{"url": fake.url}])
+        async with running_gateway(cfg) as url:
+            async with aiohttp.ClientSession() as s:
+                body = {"model": "m", "prompt": "p", "stream": True}
+                task = asyncio.create_task(s.post(url + "/v1/completions", json=body))
+                for _ in range(100):
+                    if fake.num_active:
+                        break
+                    await asyncio.sleep(0.01)
+                task.cancel()
+            for _ in range(100):
+                if fake.num_aborted:
+                    break
+                await asyncio.sleep(0.02)
+            assert fake.num_aborted == 1
+            assert await _metric(url, "kiloserve_gateway_in_flight") == 0

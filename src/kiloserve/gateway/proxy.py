@@ -182,6 +182,10 @@ async def _try_backend(
         if resp is not None:
             resp.close()
         return _Failure(f"connect_error:{type(exc).__name__}")
+    except BaseException:  # cancelled (client gone): the backend must see it too
+        if resp is not None:
+            resp.close()
+        raise
 
 
 def _usage_tokens(body: bytes) -> int:

@@ -14,8 +14,19 @@ import orjson
 __all__ = ["SseRelay"]
 
 _SEP = b"\n\n"
+_CRLF_SEP = b"\r\n\r\n"
+MAX_PENDING_BYTES = 1 << 20  # an event larger than this is passed on unsplit
 _USAGE = b'"usage"'
 _NULL_USAGE = (b'"usage":null', b'"usage": null')
+
+
+def _event_end(buf: bytes) -> int:
+    """Index just past the last complete event in ``buf`` (-1 if none)."""
+    lf = buf.rfind(_SEP)
+    if lf >= 0:
+        return lf + 2
+    crlf = buf.rfind(_CRLF_SEP)  # backends that end lines with CRLF
+    return crlf + 4 if crlf >= 0 else -1
 
 
 class SseRelay:
@@ -33,11 +44,12 @@ class SseRelay:
     def feed(self, chunk: bytes) -> bytes:
         """Bytes of every event completed by ``chunk`` (possibly empty)."""
         buf = self._buf + chunk if self._buf else chunk
-        cut = buf.rfind(_SEP)
+        cut = _event_end(buf)
         if cut < 0:
-            self._buf = buf
-            return b""
-        cut += 2
+            if len(buf) <= MAX_PENDING_BYTES:
+                self._buf = buf
+                return b""
+            cut = len(buf)
         done, self._buf = buf[:cut], buf[cut:]
         if _USAGE in done:
             done = self._filter_usage(done)
@@ -50,13 +62,14 @@ class SseRelay:
         return rest
 
     def _filter_usage(self, data: bytes) -> bytes:
+        sep = _SEP if _SEP in data else _CRLF_SEP
         kept = []
-        for event in data.split(_SEP):
+        for event in data.split(sep):
             if not event:
                 continue
             if _USAGE in event and self._is_usage_event(event) and self.strip_usage:
                 continue
-            kept.append(event + _SEP)
+            kept.append(event + sep)
         return b"".join(kept)
 
     def _is_usage_event(self, event: bytes) -> bool:
