@@ -42,10 +42,11 @@ def test_load_gateway_config(tmp_path: Path) -> None:
     ("text", "needles"),
     [
         ("scrape_intervl_s: 1\n", ["scrape_intervl_s", "scrape_interval_s"]),
-        ("backends: [{url: x, gpuu: H100}]\n", ["backends.0.gpuu", "cost_per_hour"]),
+        ("backends: [{url: 'http://x', gpuu: H1}]\n", ["backends.0.gpuu", "cost_per_hour"]),
         ("policy: {nam: x}\n", ["policy.nam", "params"]),
         ("retries: -1\n", ["retries"]),
-        ("backends: [{url: x}, {url: x}]\n", ["duplicate"]),
+        ("backends: [{url: 'http://a:1'}, {url: 'http://a:1'}]\n", ["duplicate"]),
+        ("backends: [{url: 'https://a:1'}]\n", ["backends.0.url", "https"]),
         ("- a\n", ["mapping"]),
         ("a: [\n", ["invalid YAML"]),
     ],

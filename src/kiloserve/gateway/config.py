@@ -9,9 +9,17 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from kiloserve.errors import ConfigError
 
@@ -58,6 +66,16 @@ class BackendConfig(_Strict):
     cost_per_hour: float = Field(default=0.0, ge=0.0)
     weight: float = Field(default=1.0, ge=0.0)
     engine: EngineKind = "auto"
+
+    @field_validator("url")
+    @classmethod
+    def _plain_http(cls, url: str) -> str:
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(
+                f"must be an http://host:port URL (https is not supported), got {url!r}"
+            )
+        return url
 
     @property
     def backend_id(self) -> str:
