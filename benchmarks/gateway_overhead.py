@@ -222,10 +222,16 @@ async def run_load(
 
 
 # ----------------------------------------------------------------- processes
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports that were free a moment ago (all bound at once)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def cpu_s(pid: int) -> float:
@@ -373,18 +379,20 @@ def report(results: dict[str, dict[str, float]]) -> None:
     print(f"max requests/s: gateway {gw['max_rps']:.0f} vs direct {direct['max_rps']:.0f}")
     if "nginx" in results:
         ng = results["nginx"]
+        ratio = gw["cpu_us_saturated"] / max(ng["cpu_us_saturated"], 1e-9)
         print(
             f"nginx reference: CPU {ng['cpu_us_saturated']:.1f} us/req, "
             f"{ng['cpu_us_per_chunk']:.2f} us/chunk, added p50 "
             f"{ng['p50_ms'] - direct['p50_ms']:.3f} ms, {ng['max_rps']:.0f} req/s; "
-            f"gateway/nginx CPU ratio {gw['cpu_us_saturated'] / ng['cpu_us_saturated']:.1f}x"
+            f"gateway/nginx CPU ratio {ratio:.1f}x"
         )
 
 
 def start_all(
     args: argparse.Namespace, tmp: Path, procs: list[subprocess.Popen[bytes]]
 ) -> list[Target]:
-    backend_ports = [free_port(), free_port()]
+    ports = free_ports(4)
+    backend_ports, gw_port, ng_port = ports[:2], ports[2], ports[3]
     for p in backend_ports:
         cmd = [
             sys.executable,
@@ -397,7 +405,6 @@ def start_all(
             str(args.chunk_gap_ms),
         ]
         procs.append(subprocess.Popen(cmd))
-    gw_port = free_port()
     gateway_yaml(tmp / "gateway.yaml", gw_port, backend_ports, args.policy)
     gw_cmd = [
         sys.executable,
@@ -418,7 +425,6 @@ def start_all(
     if nginx is None:
         print("nginx: binary not found, skipping the nginx reference (apt-get install -y nginx)")
     else:
-        ng_port = free_port()
         ng = subprocess.Popen(
             [nginx, "-c", str(nginx_conf(tmp, ng_port, backend_ports)), "-p", str(tmp)]
         )
