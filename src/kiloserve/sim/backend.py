@@ -1,0 +1,155 @@
+"""One simulated backend: an ``EngineCore`` stepped in simulated time, like the twin.
+
+The twin's loop, in simulated time: a step is scheduled (``core.step()`` commits its
+state at once) and its tokens are delivered when its modelled duration (times the
+slowdown) has passed; a request added meanwhile joins the next step.
+
+Fast-forward, lazily: when the batch can only decode (``max_fast_forward_steps() = k``
+>= 2), the backend plans a fused run of all k steps and commits nothing yet. Anything
+that must see the engine mid-run (an arrival, a scrape, a fault) first calls ``sync``,
+which commits exactly the steps that had *started* by then (``advance(j)``, j from
+``fast_forward_steps_within``), so the state is the one k single steps would leave:
+the arrival joins the step after the one in progress, as in the twin.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kiloserve.engine.config import EngineConfig
+from kiloserve.engine.core import EngineCore, StepResult, StepTimer
+from kiloserve.sim.request import SimRequest
+
+__all__ = ["BackendModel", "SimBackend"]
+
+
+@dataclass(frozen=True, slots=True)
+class BackendModel:
+    """What every backend of one cluster line shares (configs and timers are stateless)."""
+
+    engine_config: EngineConfig
+    timer: StepTimer
+    api_overhead_s: float
+    kv_capacity_tokens: int
+    base_slowdown: float = 1.0
+
+
+class SimBackend:
+    """A backend's engine, its in-flight requests and its busy time."""
+
+    def __init__(self, index: int, backend_id: str, model: BackendModel, *, fast_forward: bool):
+        self.index = index
+        self.backend_id = backend_id
+        self.model = model
+        self.is_fast_forward = fast_forward
+        self.core: EngineCore | None = EngineCore(model.engine_config, model.timer)
+        self.slowdown = model.base_slowdown
+        self.generation = 0  # bumped whenever a scheduled step end becomes stale
+        self.requests: dict[str, SimRequest] = {}  # by seq id
+        self.is_busy = False
+        self.step_end_s = 0.0
+        self.busy_s = 0.0
+        self.last_scrape_key: tuple[int, int, int, int] | None = None  # see scrape_into
+        self._pending: StepResult | None = None
+        self._run_start_s = 0.0
+        self._num_run_steps = 0  # planned fused steps, not yet committed
+        self._last_step_start_s = 0.0  # lower bound on when the run's last step starts
+
+    @property
+    def is_alive(self) -> bool:
+        return self.core is not None
+
+    @property
+    def kv_usage(self) -> float:
+        return 0.0 if self.core is None else self.core.kv_usage
+
+    # -- stepping --------------------------------------------------------------------
+    def start(self, now_s: float) -> float | None:
+        """Begin the next step (or fused run) if there is work; returns its end time."""
+        core = self.core
+        self.is_busy = False
+        if core is None or not core.has_unfinished():
+            return None
+        if self.is_fast_forward:
+            num_steps = core.max_fast_forward_steps()
+            if num_steps >= 2:
+                duration_s = core.timer.decode_steps_time_s(_contexts(core), num_steps)
+                self._run_start_s, self._num_run_steps = now_s, num_steps
+                # the last step starts no earlier than one mean step before the end
+                self._last_step_start_s = now_s + duration_s * self.slowdown * (1 - 1 / num_steps)
+                return self._busy_until(now_s + duration_s * self.slowdown)
+        result = core.step()
+        if result.num_steps == 0:
+            return None  # nothing schedulable (cannot happen with a valid queue)
+        self._pending = result
+        return self._busy_until(now_s + result.duration_s * self.slowdown)
+
+    def _busy_until(self, end_s: float) -> float:
+        self.is_busy = True
+        self.step_end_s = end_s
+        return end_s
+
+    def finish_step(self) -> StepResult | None:
+        """The result of the step (or run) ending now; commits a run not yet synced."""
+        if self._num_run_steps:
+            self._commit_run(self._num_run_steps)
+        result, self._pending = self._pending, None
+        if result is not None:
+            self.busy_s += result.duration_s * self.slowdown
+        return result
+
+    def sync_for_scrape(self, now_s: float) -> float | None:
+        """``sync`` only if the run's last step may have started (the only step that
+        changes what a scrape reads besides KV usage); otherwise the scrape reads the
+        state at the run's start (KV usage lags by the blocks the run has grown)."""
+        if self._num_run_steps and now_s >= self._last_step_start_s:
+            return self.sync(now_s)
+        return None
+
+    def sync(self, now_s: float) -> float | None:
+        """Commit the fused steps started by ``now_s``; returns the new end if it moved."""
+        num_planned = self._num_run_steps
+        core = self.core
+        if not num_planned or core is None:
+            return None
+        elapsed_s = (now_s - self._run_start_s) / self.slowdown
+        num_steps = min(num_planned, core.fast_forward_steps_within(elapsed_s) + 1)
+        result = self._commit_run(num_steps)
+        if num_steps == num_planned:
+            return None  # the scheduled end stays right
+        self.generation += 1
+        return self._busy_until(self._run_start_s + result.duration_s * self.slowdown)
+
+    def _commit_run(self, num_steps: int) -> StepResult:
+        core = self.core
+        if core is None:
+            raise RuntimeError("commit on a dead backend")  # a simulator bug, never input
+        result = core.advance(num_steps)
+        self._pending = result
+        self._num_run_steps = 0
+        return result
+
+    # -- faults ----------------------------------------------------------------------
+    def die(self) -> list[SimRequest]:
+        """Drop the engine; returns the requests it held (the caller fails them)."""
+        held = list(self.requests.values())
+        self.core = None
+        self.requests = {}
+        self._reset_work()
+        return held
+
+    def recover(self) -> None:
+        """A fresh engine (empty cache) and the configured slowdown."""
+        if self.core is None:
+            self.core = EngineCore(self.model.engine_config, self.model.timer)
+        self.slowdown = self.model.base_slowdown
+
+    def _reset_work(self) -> None:
+        self.generation += 1
+        self.is_busy = False
+        self._pending = None
+        self._num_run_steps = 0
+
+
+def _contexts(core: EngineCore) -> list[int]:
+    return [seq.num_computed_tokens + 1 for seq in core.scheduler.running]

@@ -1,0 +1,120 @@
+"""The simulated gateway: request profiles, the policy's decision and its bookkeeping.
+
+Mirrors ``kiloserve.gateway`` step for step: the ``RequestInfo`` is what the bench
+client's completions request profiles to (input tokens, ``max_tokens`` as the
+predicted output since the client sends it, the ``user`` as session key and tenant,
+prefix hashes over the first ``max_prefix_tokens`` tokens); the snapshot is the
+gateway's own ``BackendTable`` (scraped fields refreshed every scrape, stale between
+scrapes; in-flight and outstanding tokens updated at dispatch, first token and
+completion); hooks run in the proxy's order (table, then policy).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from kiloserve.engine.sequence import Sequence as EngineSequence
+from kiloserve.errors import ConfigError
+from kiloserve.gateway.backends import BackendTable
+from kiloserve.gateway.config import GatewayConfig
+from kiloserve.policies.base import Outcome, Policy, RequestInfo
+from kiloserve.sim.backend import SimBackend
+from kiloserve.sim.cluster import scrape_into
+from kiloserve.sim.request import SimRequest
+from kiloserve.workload import RequestSpec
+
+__all__ = ["ModelPicker", "SimGateway"]
+
+
+class ModelPicker:
+    """Which served model each request asks for: one fixed model, or a draw weighted
+    by each pool's number of GPUs (seeded, so every run draws the same sequence)."""
+
+    def __init__(self, gpu_shares: dict[str, float], model: str | None, seed: int) -> None:
+        if model is not None and model not in gpu_shares:
+            valid = ", ".join(gpu_shares)
+            raise ConfigError(f"no backend serves model {model!r}; served: {valid}")
+        self._models = [model] if model is not None else list(gpu_shares)
+        self._weights = [1.0] if model is not None else list(gpu_shares.values())
+        self._rng = random.Random(seed * 7919 + 17)
+
+    def pick(self) -> str:
+        if len(self._models) == 1:
+            return self._models[0]
+        return self._rng.choices(self._models, weights=self._weights)[0]
+
+
+class SimGateway:
+    """Gateway state for one simulation: backend table, policy and its RNG."""
+
+    def __init__(
+        self,
+        cfg: GatewayConfig,
+        policy: Policy,
+        backends: Sequence[SimBackend],
+        *,
+        seed: int,
+    ) -> None:
+        self.cfg = cfg
+        self.table = BackendTable(cfg)
+        self.policy = policy
+        self.rng = random.Random(seed)
+        self.backends = backends
+        self._index_of = {b.backend_id: b.index for b in backends}
+        self._num_prefix_blocks = cfg.max_prefix_tokens // cfg.block_size
+
+    def profile(self, spec: RequestSpec, model: str, seq: EngineSequence) -> RequestInfo:
+        """The profile the gateway builds for the bench client's request for ``spec``."""
+        return RequestInfo(
+            request_id=spec.request_id,
+            model=model,
+            input_tokens=seq.num_prompt_tokens,
+            predicted_output_tokens=spec.output_tokens,
+            max_tokens=spec.output_tokens,
+            session_key=spec.user,
+            prefix_hashes=tuple(seq.block_hashes[: self._num_prefix_blocks]),
+            tenant=spec.user,
+        )
+
+    def decide(self, info: RequestInfo, now_s: float) -> tuple[int, ...]:
+        """Backend indices to try, best first (at most ``retries + 1``)."""
+        decision = self.policy.choose(info, self.table.snapshot(now_s), self.rng)
+        ranked = decision.ranked[: self.cfg.retries + 1]
+        return tuple(self._index_of[bid] for bid in ranked)
+
+    def dispatch(self, request: SimRequest, now_s: float) -> str:
+        backend_id = self.backends[request.backend_index].backend_id
+        request.attempt_start_s = now_s
+        request.first_token_s = None
+        request.gateway_first_token_s = None
+        self.table.on_dispatch(backend_id, request.info)
+        self.policy.on_dispatch(request.info, backend_id)
+        return backend_id
+
+    def first_token(self, request: SimRequest, now_s: float) -> None:
+        request.gateway_first_token_s = now_s
+        ttft_ms = (now_s - request.attempt_start_s) * 1000.0
+        backend_id = self.backends[request.backend_index].backend_id
+        self.table.on_first_token(backend_id, request.info, ttft_ms)
+
+    def complete(self, request: SimRequest, status: int, now_s: float) -> None:
+        """Account the end of the current attempt (``status`` 200: success)."""
+        backend_id = self.backends[request.backend_index].backend_id
+        first_s = request.gateway_first_token_s
+        ttft_ms = tpot_ms = None
+        num_tokens = request.spec.output_tokens if status == 200 else 0
+        if first_s is not None:
+            ttft_ms = (first_s - request.attempt_start_s) * 1000.0
+            if num_tokens > 1:
+                tpot_ms = (now_s - first_s) / (num_tokens - 1) * 1000.0
+        outcome = Outcome(status == 200, status, ttft_ms, tpot_ms, num_tokens)
+        info = request.info
+        self.table.on_complete(backend_id, info, outcome, had_first_token=first_s is not None)
+        self.policy.on_complete(info, backend_id, outcome)
+
+    def scrape(self, now_s: float) -> None:
+        """One scrape round over every backend, then the staleness rule."""
+        for backend in self.backends:
+            scrape_into(self.table, backend, now_s)
+        self.table.refresh_staleness(now_s)

@@ -1,0 +1,165 @@
+"""``simulate()``: the public entry point (used by ``kiloserve sim`` and the planner)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kiloserve.bench.metrics import Slo
+from kiloserve.bench.provenance import config_hash, versions
+from kiloserve.bench.records import RequestRecord
+from kiloserve.bench.stream import WorkloadDigest
+from kiloserve.errors import ConfigError
+from kiloserve.launch.config import ClusterConfig
+from kiloserve.policies.base import Policy
+from kiloserve.policies.registry import create_policy
+from kiloserve.sim.cluster import (
+    build_backends,
+    build_gateway_config,
+    describe_backends,
+    pool_gpu_shares,
+)
+from kiloserve.sim.faults import FaultEvent
+from kiloserve.sim.gateway import ModelPicker, SimGateway
+from kiloserve.sim.prompts import PromptIds
+from kiloserve.sim.results import MetricsCollector, TimeSeries
+from kiloserve.sim.simulator import Simulator
+from kiloserve.workload import RequestSpec, Workload
+
+__all__ = ["SimResult", "simulate"]
+
+SAMPLE_INTERVAL_S = 1.0  # first time-series interval; doubles as the run grows
+
+
+@dataclass(slots=True)
+class SimResult:
+    """A simulation's outcome.
+
+    ``summary`` is a bench ``summary.json`` dict plus ``sim_wall_s``,
+    ``simulated_requests``, ``simulated_duration_s``, ``real_time_factor`` and
+    ``backend_timeseries`` (downsampled utilisation and KV usage per backend).
+    ``routing`` and ``records`` are filled only with ``keep_records``.
+    """
+
+    summary: dict[str, Any]
+    routing: list[tuple[str, str]] = field(default_factory=list)
+    records: list[RequestRecord] = field(default_factory=list)
+    timeseries: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def sim_wall_s(self) -> float:
+        return float(self.summary["sim_wall_s"])
+
+    @property
+    def simulated_requests(self) -> int:
+        return int(self.summary["simulated_requests"])
+
+
+def simulate(
+    cluster: ClusterConfig,
+    workload: Workload,
+    policy: str | Policy,
+    *,
+    policy_params: Mapping[str, Any] | None = None,
+    seed: int = 0,
+    scrape_interval_s: float = 0.2,
+    network_delay_s: float = 0.0005,
+    faults: Sequence[FaultEvent] = (),
+    keep_records: bool = False,
+    progress: Callable[[int], None] | None = None,
+    slo: Slo | None = None,
+    model: str | None = None,
+    fast_forward: bool = True,
+    traces_dir: str | Path | None = None,
+    command: Sequence[str] | None = None,
+) -> SimResult:
+    """Simulate ``workload`` through the gateway (``policy``) over ``cluster``.
+
+    ``model`` sends every request to one served model (as ``kiloserve compare`` does);
+    ``None`` draws each request's model weighted by the pools' GPU counts. The workload
+    must be open loop (arrival times). ``fast_forward=False`` steps every decode step
+    singly (same results; for tests). Raises ``ConfigError`` for bad inputs.
+    """
+    if scrape_interval_s <= 0 or network_delay_s < 0:
+        raise ConfigError("scrape_interval_s must be > 0 and network_delay_s >= 0")
+    policy_obj = create_policy(policy, policy_params) if isinstance(policy, str) else policy
+    infos = describe_backends(cluster)
+    backends = build_backends(cluster, fast_forward=fast_forward)
+    gateway_cfg = build_gateway_config(cluster, infos, scrape_interval_s)
+    gateway = SimGateway(gateway_cfg, policy_obj, backends, seed=seed)
+    ids = [b.backend_id for b in backends]
+    metrics = MetricsCollector(ids, slo, keep_records=keep_records)
+    series = TimeSeries(len(backends), SAMPLE_INTERVAL_S)
+    digest = WorkloadDigest()
+    sim = Simulator(
+        backends,
+        gateway,
+        _digesting(iter(workload), digest),
+        PromptIds(workload, traces_dir),
+        metrics,
+        models=ModelPicker(dict(pool_gpu_shares(infos)), model, seed),
+        network_delay_s=network_delay_s,
+        scrape_interval_s=scrape_interval_s,
+        faults=faults,
+        series=series,
+        progress=progress,
+    )
+    wall_s = sim.run()
+    summary = metrics.summary(metrics.last_completion_s)
+    timeseries = series.to_dict(ids)
+    _add_backend_means(summary, timeseries)
+    config = {
+        "url": f"sim://{cluster.name}",
+        "model": model or "all (weighted by GPUs)",
+        "endpoint": "completions",
+        "arrival": {"mode": "open"},
+        "policy": policy_obj.name,
+        "policy_params": dict(policy_params or {}),
+        "scrape_interval_s": scrape_interval_s,
+        "network_delay_s": network_delay_s,
+        "faults": [
+            f"t={f.time_s},backend={f.backend},kind={f.kind},factor={f.factor}" for f in faults
+        ],
+        "num_backends": len(backends),
+        "num_gpus": sum(i.tp for i in infos),
+    }
+    described = workload.describe()
+    summary |= {
+        "workload": described,
+        "seed": seed,
+        "workload_digest": digest.hexdigest(),
+        "config": config,
+        "config_hash": config_hash({"config": config, "workload": described}),
+        "command": list(command) if command is not None else None,
+        "versions": versions(),
+        "sim_wall_s": wall_s,
+        "simulated_requests": sim.num_requests,
+        "simulated_duration_s": sim.now_s,
+        "real_time_factor": sim.now_s / wall_s if wall_s > 0 else None,
+        "requests_per_wall_s": sim.num_requests / wall_s if wall_s > 0 else None,
+        "backend_timeseries": timeseries,
+    }
+    return SimResult(summary, metrics.routing, metrics.records, timeseries)
+
+
+def _digesting(specs: Iterator[RequestSpec], digest: WorkloadDigest) -> Iterator[RequestSpec]:
+    for spec in specs:
+        digest.add(spec)
+        yield spec
+
+
+def _add_backend_means(summary: dict[str, Any], timeseries: Mapping[str, Any]) -> None:
+    """Mean utilisation and mean / max KV usage per backend into ``per_backend``."""
+    per_backend = summary.get("per_backend")
+    if not isinstance(per_backend, dict):
+        return
+    utilisation, kv_usage = timeseries["utilisation"], timeseries["kv_usage"]
+    for backend, block in per_backend.items():
+        u, kv = utilisation.get(backend), kv_usage.get(backend)
+        if u:
+            block["utilisation_mean"] = sum(u) / len(u)
+        if kv:
+            block["kv_usage_mean"] = sum(kv) / len(kv)
+            block["kv_usage_max"] = max(kv)

@@ -1,0 +1,318 @@
+"""The discrete-event loop: a heap of events, each returning its follow-ups (vidur's
+skeleton), plus the handlers that move requests between gateway and backends.
+
+Deterministic: no wall clock and no hash-order dependence enters the simulated
+outcome; ties in time keep scheduling order (the simulator's own counter); the policy
+RNG, the model draw and the workload are seeded. Arrivals are pulled from the
+workload one at a time, so memory does not grow with the number of requests.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from kiloserve.bench.records import RequestRecord
+from kiloserve.engine.core import StepResult
+from kiloserve.errors import ConfigError, RequestError
+from kiloserve.sim.backend import SimBackend
+from kiloserve.sim.events import (
+    Arrival,
+    AttemptFailed,
+    EngineAdd,
+    Event,
+    Failure,
+    Fault,
+    FirstToken,
+    RequestDone,
+    Scrape,
+    StepDone,
+)
+from kiloserve.sim.faults import FaultEvent
+from kiloserve.sim.gateway import ModelPicker, SimGateway
+from kiloserve.sim.prompts import PromptIds
+from kiloserve.sim.request import SimRequest
+from kiloserve.sim.results import MetricsCollector, TimeSeries
+from kiloserve.sim.sequence import SimSequence as EngineSequence
+from kiloserve.workload import RequestSpec
+
+__all__ = ["Simulator"]
+
+CONNECT_ERROR = Failure(502, "connect_error: backend is down", is_retryable=True)
+STREAM_CUT = Failure(502, "stream cut: backend died mid-response", is_retryable=False)
+NO_BACKEND = "no eligible backend (503)"
+PROGRESS_EVERY_EVENTS = 8192
+
+
+@dataclass(slots=True)
+class _Counts:
+    num_arrived: int = 0
+    num_done: int = 0
+    num_events: int = 0
+    last_busy_s: list[float] = field(default_factory=list)
+    last_sample_s: float = 0.0
+
+
+class Simulator:
+    """One run: backends, gateway, workload and metrics, driven by ``run()``."""
+
+    def __init__(
+        self,
+        backends: Sequence[SimBackend],
+        gateway: SimGateway,
+        specs: Iterator[RequestSpec],
+        prompts: PromptIds,
+        metrics: MetricsCollector,
+        *,
+        models: ModelPicker,
+        network_delay_s: float,
+        scrape_interval_s: float,
+        faults: Sequence[FaultEvent] = (),
+        series: TimeSeries | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> None:
+        self.backends = backends
+        self.gateway = gateway
+        self.prompts = prompts
+        self.metrics = metrics
+        self.models = models
+        self.delay_s = network_delay_s
+        self.scrape_interval_s = scrape_interval_s
+        self.series = series
+        self.progress = progress
+        self.now_s = 0.0
+        self._specs = specs
+        self._heap: list[tuple[float, int, Event]] = []
+        self._num_pushed = 0
+        self._counts = _Counts(last_busy_s=[0.0] * len(backends))
+        self._is_arriving = True
+        self._by_id = {b.backend_id: b for b in backends}
+        for fault in faults:
+            if fault.backend not in self._by_id:
+                valid = ", ".join(self._by_id)
+                raise ConfigError(f"fault names unknown backend {fault.backend!r}; valid: {valid}")
+
+        self._faults = list(faults)
+
+    # -- the loop ------------------------------------------------------------------
+    def push(self, event: Event) -> None:
+        self._num_pushed += 1
+        heapq.heappush(self._heap, (event.time_s, self._num_pushed, event))
+
+    def run(self) -> float:
+        """Run to the end; returns the wall seconds it took."""
+        started = time.perf_counter()
+        self.push(Scrape(0.0))
+        for fault in self._faults:
+            self.push(Fault(fault))
+        self._push_next_arrival()
+        heap, counts, push = self._heap, self._counts, self.push
+        while heap:
+            time_s, _, event = heapq.heappop(heap)
+            self.now_s = time_s
+            for follow in event.handle(self):
+                push(follow)
+            counts.num_events += 1
+            if self.progress is not None and counts.num_events % PROGRESS_EVERY_EVENTS == 0:
+                self.progress(counts.num_done)
+        if self.progress is not None:
+            self.progress(counts.num_done)
+        return time.perf_counter() - started
+
+    @property
+    def num_requests(self) -> int:
+        return self._counts.num_arrived
+
+    def _push_next_arrival(self) -> None:
+        spec = next(self._specs, None)
+        if spec is None:
+            self._is_arriving = False
+            return
+        if spec.arrival_s is None:
+            raise ConfigError(
+                "the simulator replays open-loop workloads: give --rate or use a trace"
+            )
+        self.push(Arrival(max(spec.arrival_s, self.now_s), spec))
+
+    # -- gateway side --------------------------------------------------------------
+    def on_arrival(self, spec: RequestSpec, now_s: float) -> list[Event]:
+        self._push_next_arrival()
+        self._counts.num_arrived += 1
+        ids = self.prompts.token_ids(spec)
+        seq = EngineSequence(spec.request_id, ids, spec.output_tokens, arrival_s=now_s)
+        info = self.gateway.profile(spec, self.models.pick(), seq)
+        request = SimRequest(spec, info, ids, now_s, seq=seq)
+        request.ranked = self.gateway.decide(info, now_s)
+        if not request.ranked:
+            self._record_failure(request, 503, NO_BACKEND, now_s)
+            return []
+        return self._dispatch(request, now_s)
+
+    def _dispatch(self, request: SimRequest, now_s: float) -> list[Event]:
+        backend_id = self.gateway.dispatch(request, now_s)
+        self.metrics.add_routing(request.spec.request_id, backend_id)
+        backend = self.backends[request.backend_index]
+        if request.attempt > 0 or request.seq is None:
+            request.seq = EngineSequence(
+                request.seq_id, request.token_ids, request.spec.output_tokens, arrival_s=now_s
+            )
+        if not backend.is_alive:  # connection refused, answered after one round trip
+            return [AttemptFailed(now_s + 2 * self.delay_s, request, CONNECT_ERROR)]
+        return [EngineAdd(now_s + self.delay_s + backend.model.api_overhead_s, request)]
+
+    def on_first_token(self, request: SimRequest, now_s: float) -> list[Event]:
+        self.gateway.first_token(request, now_s)
+        return []
+
+    def on_request_done(
+        self, request: SimRequest, failure: Failure | None, now_s: float
+    ) -> list[Event]:
+        if failure is None:
+            self.gateway.complete(request, 200, now_s)
+            self._record_ok(request, now_s)
+            return []
+        self.gateway.complete(request, failure.status, now_s)
+        is_first_sent = request.gateway_first_token_s is not None
+        if failure.is_retryable and request.has_more_attempts and not is_first_sent:
+            request.attempt += 1
+            return self._dispatch(request, now_s)
+        self._record_failure(request, failure.status, failure.error, now_s)
+        return []
+
+    def _record_ok(self, request: SimRequest, now_s: float) -> None:
+        first_s = request.gateway_first_token_s
+        record = self._record(request, now_s)
+        record.ttft_s = None if first_s is None else first_s - request.arrival_s
+        record.e2e_s = now_s - request.arrival_s
+        record.output_tokens = request.spec.output_tokens
+        record.is_ok, record.status = True, 200
+        self._counts.num_done += 1
+        self.metrics.add_ok(record, request.backend_index, now_s)
+
+    def _record_failure(self, request: SimRequest, status: int, error: str, now_s: float) -> None:
+        record = self._record(request, now_s)
+        record.status, record.error = status, error
+        index = request.backend_index if request.ranked else None
+        self._counts.num_done += 1
+        self.metrics.add_failed(record, index, now_s)
+
+    def _record(self, request: SimRequest, now_s: float) -> RequestRecord:
+        spec = request.spec
+        backend_id = self.backends[request.backend_index].backend_id if request.ranked else None
+        return RequestRecord(
+            request_id=spec.request_id,
+            scheduled_s=spec.arrival_s,
+            start_s=request.arrival_s,
+            input_tokens=len(request.token_ids),
+            max_tokens=spec.output_tokens,
+            backend=backend_id,
+            session_id=spec.session_id,
+            user=spec.user,
+            prefix_group=spec.prefix_group,
+        )
+
+    # -- backend side --------------------------------------------------------------
+    def on_engine_add(self, request: SimRequest, now_s: float) -> list[Event]:
+        backend = self.backends[request.backend_index]
+        core, seq = backend.core, request.seq
+        if core is None or seq is None:
+            return [AttemptFailed(now_s + self.delay_s, request, CONNECT_ERROR)]
+        events = self._sync(backend, now_s)
+        try:
+            core.add(seq)
+        except RequestError as exc:
+            failure = Failure(exc.status, f"http {exc.status}: {exc.message}", False)
+            return [*events, AttemptFailed(now_s + self.delay_s, request, failure)]
+        backend.requests[seq.seq_id] = request
+        if not backend.is_busy:
+            events += self._start(backend, now_s)
+        return events
+
+    def _sync(self, backend: SimBackend, now_s: float) -> list[Event]:
+        end_s = backend.sync(now_s)
+        return [] if end_s is None else [StepDone(end_s, backend.index, backend.generation)]
+
+    def _start(self, backend: SimBackend, now_s: float) -> list[Event]:
+        end_s = backend.start(now_s)
+        return [] if end_s is None else [StepDone(end_s, backend.index, backend.generation)]
+
+    def on_step_done(self, index: int, generation: int, now_s: float) -> list[Event]:
+        backend = self.backends[index]
+        if generation != backend.generation or not backend.is_busy:
+            return []  # superseded (the run was cut short, or the backend died)
+        result = backend.finish_step()
+        events: list[Event] = []
+        if result is not None:
+            events = self._deliver(backend, result, now_s)
+        return events + self._start(backend, now_s)
+
+    def _deliver(self, backend: SimBackend, result: StepResult, now_s: float) -> list[Event]:
+        events: list[Event] = []
+        num_steps = result.num_steps
+        requests = backend.requests
+        arrive_s = now_s + self.delay_s
+        gap_s = result.duration_s * backend.slowdown / max(1, num_steps)
+        self.metrics.add_itl(backend.index, gap_s, result.num_decode_tokens)
+        if num_steps == 1:
+            for seq_id in result.new_tokens:
+                request = requests.get(seq_id)
+                if request is not None and request.first_token_s is None:
+                    request.first_token_s = now_s
+                    events.append(FirstToken(arrive_s, request))
+        for seq in result.finished:
+            request = requests.pop(seq.seq_id, None)
+            if request is not None:
+                events.append(RequestDone(arrive_s, request))
+        return events
+
+    # -- periodic and scheduled ----------------------------------------------------
+    def on_scrape(self, now_s: float) -> list[Event]:
+        events: list[Event] = []
+        for backend in self.backends:
+            end_s = backend.sync_for_scrape(now_s)
+            if end_s is not None:
+                events.append(StepDone(end_s, backend.index, backend.generation))
+        self.gateway.scrape(now_s)
+        self._sample(now_s)
+        counts = self._counts
+        if self._is_arriving or counts.num_done < counts.num_arrived:
+            events.append(Scrape(now_s + self.scrape_interval_s))
+        return events
+
+    def _sample(self, now_s: float) -> None:
+        series, counts = self.series, self._counts
+        if series is None or now_s < series.next_s:
+            return
+        span_s = now_s - counts.last_sample_s
+        busy = [b.busy_s for b in self.backends]
+        utilisation = [
+            min(1.0, (now - last) / span_s) if span_s > 0 else 0.0
+            for now, last in zip(busy, counts.last_busy_s, strict=True)
+        ]
+        series.add(now_s, utilisation, [b.kv_usage for b in self.backends])
+        counts.last_busy_s, counts.last_sample_s = busy, now_s
+
+    def on_fault(self, fault: FaultEvent, now_s: float) -> list[Event]:
+        backend = self._by_id[fault.backend]
+        if fault.kind == "die":
+            return self._kill(backend, now_s)
+        events = self._sync(backend, now_s)
+        if fault.kind == "slow":
+            backend.slowdown = fault.factor
+        else:
+            backend.recover()
+        return events
+
+    def _kill(self, backend: SimBackend, now_s: float) -> list[Event]:
+        if not backend.is_alive:
+            return []
+        events: list[Event] = []
+        arrive_s = now_s + self.delay_s
+        for request in backend.die():
+            if request.first_token_s is not None:
+                events.append(RequestDone(arrive_s, request, STREAM_CUT))
+            else:
+                events.append(AttemptFailed(arrive_s, request, CONNECT_ERROR))
+        return events
