@@ -193,3 +193,28 @@ def test_default_spreads_hot_prefixes_instead_of_piling_them_up() -> None:
     loads = [b.in_flight for b in backends]
     assert max(loads) - min(loads) <= 8  # no idle backend next to a piled-up one
     assert num_hits / 200 >= 0.9  # while most requests still find their prefix
+
+
+def test_ttft_scorer_sends_long_prompts_to_the_faster_prefill() -> None:
+    policy = create_policy("scored", {"scorers": {"ttft": 1.0}})
+    # Learned speeds: "fast" took 0.05 ms per queued prefill token, "slow" 0.2 ms.
+    fast = backend("fast", ewma_ttft_ms=50.0, ewma_prefill_work_tokens=1000.0, kv_usage=0.1)
+    slow = backend("slow", ewma_ttft_ms=200.0, ewma_prefill_work_tokens=1000.0, kv_usage=0.1)
+    s = ClusterSnapshot(0.0, (slow, fast))
+    assert policy.choose(req(input_tokens=8000), s, random.Random(0)).ranked == ("fast", "slow")
+    # Queued work on the fast one: 0.05 * (30000 + 8000) > 0.2 * 8000, so "slow" wins.
+    fast.outstanding_prefill_tokens = 30_000
+    assert policy.choose(req(input_tokens=8000), s, random.Random(0)).ranked == ("slow", "fast")
+
+
+def test_ttft_scorer_gives_prefix_credit_only_below_saturation() -> None:
+    policy = create_policy("scored", {"scorers": {"ttft": 1.0}})
+    r = req(prefix_hashes=tuple(range(50)), input_tokens=800)
+    policy.on_dispatch(r, "holder")
+    holder = backend("holder", kv_usage=0.5, outstanding_prefill_tokens=400)
+    other = backend("other", kv_usage=0.5)
+    s = ClusterSnapshot(0.0, (other, holder))
+    # 400 queued + 1 new token beats 800 new tokens.
+    assert policy.choose(r, s, random.Random(0)).ranked[0] == "holder"
+    holder.kv_usage = 0.95  # saturated: no credit, and work / (1 - 0.95)
+    assert policy.choose(r, s, random.Random(0)).ranked[0] == "other"

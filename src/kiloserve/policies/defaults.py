@@ -20,6 +20,6 @@ from typing import Literal
 __all__ = ["DEFAULT_PICKER", "DEFAULT_SCORER_WEIGHTS"]
 
 DEFAULT_SCORER_WEIGHTS: Mapping[str, float] = MappingProxyType(
-    {"queue": 2.0, "tokens": 1.0, "kv": 1.0, "prefix": 1.0}
+    {"ttft": 2.0, "queue": 1.0, "kv": 1.0, "prefix": 0.5}
 )
 DEFAULT_PICKER: Literal["max", "weighted_random"] = "max"

@@ -20,7 +20,10 @@ lowers them; unknown scraped state scores 0 (saturated), never 1.
   first token: the backend's learned prefill speed (``accounting.prefill_ms_per_token``;
   unknown takes the pool median) times the prefill work it would have (outstanding
   prefill tokens plus this request's tokens not already cached there, from the prefix
-  index), divided by capacity weight. Long prompts go to fast, idle prefills.
+  index), divided by capacity weight. Long prompts go to fast, idle prefills. A
+  backend at or past ``SATURATED_SHARE`` (0.9) of ``max_num_seqs`` or of its KV cache
+  (unknown counts as saturated) gets no prefix credit and its work is divided by
+  ``1 - saturation`` (it will queue or preempt).
 """
 
 from __future__ import annotations
@@ -33,7 +36,12 @@ from typing import Literal
 from kiloserve.policies.accounting import prefill_ms_per_token
 from kiloserve.policies.base import BackendState, RequestInfo
 from kiloserve.policies.hash_ring import group_name
-from kiloserve.policies.signals import capacity_weight, kv_free_fractions, token_loads
+from kiloserve.policies.signals import (
+    capacity_weight,
+    kv_free_fractions,
+    num_requests,
+    token_loads,
+)
 
 __all__ = ["SCORERS", "ScorerName", "ScoringContext"]
 
@@ -117,6 +125,17 @@ def weight_score(ctx: ScoringContext) -> list[float]:
     return [w / top for w in weights]
 
 
+SATURATED_SHARE = 0.9
+
+
+def _saturation(b: BackendState) -> float:
+    """The larger of queue share (of ``max_num_seqs``) and KV usage; unknown is 1."""
+    if b.scrape_stale or b.kv_usage is None:
+        return 1.0
+    share = num_requests(b) / b.max_num_seqs if b.max_num_seqs else 0.0
+    return max(share, b.kv_usage)
+
+
 def ttft_score(ctx: ScoringContext) -> list[float]:
     speeds = [prefill_ms_per_token(b) for b in ctx.pool]
     known = sorted(x for x in speeds if x is not None)
@@ -124,9 +143,14 @@ def ttft_score(ctx: ScoringContext) -> list[float]:
     tokens, depths, bs = ctx.request.input_tokens, ctx.prefix_depths, ctx.block_size
     preds = []
     for b, speed in zip(ctx.pool, speeds, strict=True):
-        new_tokens = max(1, tokens - depths.get(b.backend_id, 0) * bs) if depths else tokens
-        work = b.outstanding_prefill_tokens + new_tokens
-        preds.append((fill if speed is None else speed) * work / capacity_weight(b))
+        new_tokens = tokens
+        sat = _saturation(b)
+        if depths and sat < SATURATED_SHARE:
+            new_tokens = max(1, tokens - depths.get(b.backend_id, 0) * bs)
+        work = (b.outstanding_prefill_tokens + new_tokens) / capacity_weight(b)
+        if sat >= SATURATED_SHARE:  # it will queue or preempt: cached blocks may be gone
+            work /= max(0.02, 1.0 - sat)
+        preds.append((fill if speed is None else speed) * work)
     best = min(preds)
     return [1.0 if p <= 0.0 else best / p for p in preds]
 
