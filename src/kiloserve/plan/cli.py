@@ -1,0 +1,395 @@
+"""``kiloserve plan``: memory ledgers, per-replica capacity, replicas and cost.
+
+Example::
+
+    kiloserve plan --model qwen2-72b --gpu H100 --gpu A100 --rate 300 \\
+        --workload mix:chat=1 --slo ttft_p95=800ms,tpot_p95=50ms --out plan-out
+
+Prints the memory ledger of every GPU x TP x quantisation and the deployments that
+meet the SLO sorted by cost, and writes ``OUT/plan.json``. See docs/planner.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kiloserve.bench.report import write_json
+from kiloserve.bench.tables import fmt
+from kiloserve.catalog import GpuSpec, get_gpu, get_model, list_gpus
+from kiloserve.errors import ConfigError
+from kiloserve.plan.capacity import (
+    DEFAULT_MAX_NUM_PROBES,
+    CapacityResult,
+    PercentileSlo,
+    capacity_from_sweep,
+    deployment_cluster,
+    initial_rate_guess,
+    parse_percentile_slo,
+    replica_probe,
+    search_capacity,
+)
+from kiloserve.plan.planner import (
+    DEFAULT_HEADROOM,
+    DEFAULT_KV_REDUNDANCY,
+    TP_DEGREES,
+    Candidate,
+    Deployment,
+    enumerate_candidates,
+    min_tp_for_weights,
+    parse_prices,
+    plan_deployment,
+    price_for,
+    rank_deployments,
+)
+from kiloserve.workload import load_workload
+
+__all__ = ["add_arguments", "run"]
+
+logger = logging.getLogger(__name__)
+DEFAULT_NUM_REQUESTS = 300
+SCHEMA_VERSION = 1
+_ISSUE_TEXT = {"heads": "TP vs heads", "weights": "weights", "kv": "KV < 1 sequence"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--model", required=True, help="model name from the catalog, e.g. qwen2-72b")
+    a("--gpu", action="append", default=[], help="GPU type (repeatable; default: all)")
+    a("--rate", type=float, required=True, help="target load in requests/s")
+    a("--workload", required=True, help="workload spec, as for kiloserve bench")
+    a("--slo", required=True, help="percentile SLO, e.g. ttft_p95=800ms,tpot_p95=50ms")
+    a("--quant", action="append", default=[], help="quantisation (repeatable; default bf16)")
+    a("--tp", type=int, action="append", default=[], help="TP degree (repeatable; 1,2,4,8)")
+    a("--price", help="dollars per GPU-hour, e.g. H100=2.5,A100=1.8 (default: catalog)")
+    a("--headroom", type=float, default=DEFAULT_HEADROOM, help="replica headroom (1.25)")
+    a(
+        "--kv-redundancy",
+        type=float,
+        default=DEFAULT_KV_REDUNDANCY,
+        help="redundancy of the KV cross-check (0.25)",
+    )
+    a("--sweep-file", help="per-replica capacity from a `kiloserve bench --sweep` sweep.json")
+    a(
+        "--num-requests",
+        type=int,
+        default=DEFAULT_NUM_REQUESTS,
+        help="simulated requests per rate probe (300)",
+    )
+    a("--max-probes", type=int, default=DEFAULT_MAX_NUM_PROBES, help="rate probes per candidate")
+    a("--max-model-len", type=int, help="context length (default: the model's)")
+    a("--seed", type=int, default=0, help="workload seed (0)")
+    a("--verify", action="store_true", help="simulate the recommended cluster at --rate")
+    a("--pareto", action="store_true", help="cost vs P95 across cluster sizes (with a plot)")
+    a("--pareto-sizes", help="GPU counts for --pareto, e.g. 128,256,512,1024")
+    a(
+        "--pareto-load",
+        choices=("scaled", "target"),
+        default="scaled",
+        help="scaled: each size at its planned load (seed 000's table); target: all at --rate",
+    )
+    a("--out", default="plan-out", help="output folder for plan.json (plan-out)")
+
+
+def run(args: argparse.Namespace) -> int:
+    _check_args(args)
+    console = Console()
+    model = get_model(args.model)
+    gpus = [get_gpu(g) for g in args.gpu] if args.gpu else list_gpus()
+    prices = _prices(args.price)
+    slo = parse_percentile_slo(args.slo)
+    candidates = enumerate_candidates(
+        model, gpus, args.quant or ["bf16"], args.tp or TP_DEGREES, args.max_model_len
+    )
+    mean_in, mean_out = _workload_means(args)
+    capacities = _capacities(args, candidates, slo, mean_in, mean_out)
+    deployments = _deployments(args, candidates, capacities, prices, mean_out)
+    plan = _plan_dict(args, slo, candidates, deployments, capacities, mean_in, mean_out)
+    console.print(ledger_table(candidates))
+    _print_reasons(console, candidates)
+    console.print(deployment_table(deployments, args.rate, str(slo)))
+    _print_no_capacity(console, candidates, capacities)
+    if deployments and (args.verify or args.pareto):
+        plan |= _cluster_runs(args, deployments[0], slo, console)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "plan.json", plan)
+    console.print(f"plan: {out / 'plan.json'}")
+    return 0 if deployments else 1
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if not args.rate > 0:
+        raise ConfigError(f"--rate must be > 0 requests/s, got {args.rate}")
+    if args.num_requests < 10:
+        raise ConfigError(f"--num-requests must be >= 10, got {args.num_requests}")
+    bad_tp = [t for t in args.tp if t not in TP_DEGREES]
+    if bad_tp:
+        raise ConfigError(f"--tp must be one of {TP_DEGREES} (inside one node), got {bad_tp}")
+
+
+def _prices(text: str | None) -> dict[str, float]:
+    prices = parse_prices(text)
+    for name in prices:
+        get_gpu(name)  # an unknown GPU in --price is a typo: say so
+    return prices
+
+
+def _workload_means(args: argparse.Namespace) -> tuple[float, float]:
+    """Mean input and output tokens of the requests one probe sends."""
+    workload = load_workload(
+        args.workload,
+        seed=args.seed,
+        num_requests=args.num_requests,
+        rate=1.0,
+        with_prompts=False,
+    )
+    specs = list(workload)
+    if not specs:
+        raise ConfigError(f"workload {args.workload!r} yields no requests")
+    mean_in = sum(s.input_tokens for s in specs) / len(specs)
+    mean_out = sum(s.output_tokens for s in specs) / len(specs)
+    return mean_in, mean_out
+
+
+def _capacities(
+    args: argparse.Namespace,
+    candidates: Sequence[Candidate],
+    slo: PercentileSlo,
+    mean_in: float,
+    mean_out: float,
+) -> dict[str, CapacityResult]:
+    fitting = [c for c in candidates if c.is_fitting]
+    if args.sweep_file:
+        if len(fitting) != 1:
+            names = ", ".join(c.name for c in fitting) or "none"
+            raise ConfigError(
+                "--sweep-file measures one deployment: narrow --gpu/--tp/--quant to exactly "
+                f"one that fits (fitting now: {names})"
+            )
+        return {fitting[0].name: capacity_from_sweep(args.sweep_file, slo)}
+    out: dict[str, CapacityResult] = {}
+    with _progress() as progress:
+        task = progress.add_task("rate search", total=len(fitting))
+        for cand in fitting:
+            progress.update(task, description=f"rate search {cand.name}")
+            out[cand.name] = _search(args, cand, slo, mean_in, mean_out)
+            progress.advance(task)
+    return out
+
+
+def _progress() -> Progress:
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=not sys.stderr.isatty(),
+    )
+
+
+def _search(
+    args: argparse.Namespace, cand: Candidate, slo: PercentileSlo, mean_in: float, mean_out: float
+) -> CapacityResult:
+    from kiloserve.engine.timing import StepTimeModel
+
+    timer = StepTimeModel(cand.gpu, cand.model, cand.tp, cand.quant)
+    cluster = deployment_cluster(
+        cand.gpu.name, cand.model.name, cand.tp, cand.quant, 1, max_model_len=args.max_model_len
+    )
+    probe = replica_probe(cluster, args.workload, num_requests=args.num_requests, seed=args.seed)
+    guess = initial_rate_guess(timer, mean_in, mean_out)
+    result = search_capacity(probe, slo, guess, max_num_probes=args.max_probes)
+    logger.info(
+        "%s: %.3g req/s within the SLO (%d probes)", cand.name, result.rate_rps, len(result.points)
+    )
+    return result
+
+
+def _deployments(
+    args: argparse.Namespace,
+    candidates: Sequence[Candidate],
+    capacities: dict[str, CapacityResult],
+    prices: dict[str, float],
+    mean_out: float,
+) -> list[Deployment]:
+    out: list[Deployment] = []
+    for cand in candidates:
+        capacity = capacities.get(cand.name)
+        if capacity is None:
+            continue
+        deployment = plan_deployment(
+            cand,
+            capacity,
+            args.rate,
+            mean_out,
+            price_per_gpu_hour=price_for(cand.gpu, prices),
+            headroom=args.headroom,
+            kv_redundancy=args.kv_redundancy,
+        )
+        if deployment is not None:
+            out.append(deployment)
+    return rank_deployments(out)
+
+
+def _rule_of_thumb_tp(gpu: GpuSpec, cand: Candidate) -> int:
+    usable = gpu.memory_bytes * 0.92
+    return min_tp_for_weights(cand.model.weight_bytes(cand.quant), usable)
+
+
+def ledger_table(candidates: Sequence[Candidate]) -> Table:
+    """Per-GPU memory ledger of every candidate (GiB), or why it does not fit."""
+    table = Table(title="Memory ledger per GPU (GiB)")
+    for col in ("GPU", "TP", "quant", "weights", "KV", "reserve", "KV tokens", "S4.4 TP"):
+        table.add_column(col, justify="left" if col in ("GPU", "quant") else "right")
+    table.add_column("fits")
+    for cand in candidates:
+        row = cand.ledger_dict()
+        rule_tp = str(_rule_of_thumb_tp(cand.gpu, cand))
+        if not row["fits"]:
+            cells = ["-", "-", "-", "-", rule_tp, f"no: {_ISSUE_TEXT[str(row['issue'])]}"]
+        else:
+            cells = [
+                fmt(row["weights_gib_per_gpu"]),
+                fmt(row["kv_gib_per_gpu"]),
+                fmt(row["reserve_gib_per_gpu"]),
+                f"{row['kv_tokens']:,}",
+                rule_tp,
+                "yes",
+            ]
+        table.add_row(cand.gpu.name, str(cand.tp), cand.quant, *cells)
+    return table
+
+
+def _print_reasons(console: Console, candidates: Sequence[Candidate]) -> None:
+    for cand in candidates:
+        if cand.reason is not None:
+            console.print(f"  {cand.name}: {cand.reason}", highlight=False)
+
+
+def deployment_table(deployments: Sequence[Deployment], target_rps: float, slo: str) -> Table:
+    """Deployments that meet the SLO, cheapest first."""
+    table = Table(title=f"Deployments for {target_rps:g} req/s at {slo}, cheapest first")
+    cols = (
+        "#",
+        "GPU",
+        "TP",
+        "quant",
+        "req/s/replica",
+        "tok/s/replica",
+        "replicas",
+        "cards",
+        "$/hour",
+        "$/M out tok",
+        "$/request",
+        "KV-check cards",
+    )
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("GPU", "quant") else "right")
+    for i, d in enumerate(deployments, 1):
+        c = d.candidate
+        table.add_row(
+            str(i),
+            c.gpu.name,
+            str(c.tp),
+            c.quant,
+            fmt(d.capacity.rate_rps, 2),
+            fmt(d.capacity.output_tokens_per_s),
+            str(d.num_replicas),
+            str(d.num_cards),
+            fmt(d.cost_per_hour, 2),
+            fmt(d.cost_per_million_output_tokens, 2),
+            f"{d.cost_per_request:.2e}",
+            str(d.kv_check.num_cards),
+        )
+    return table
+
+
+def _print_no_capacity(
+    console: Console, candidates: Sequence[Candidate], capacities: dict[str, CapacityResult]
+) -> None:
+    for cand in candidates:
+        cap = capacities.get(cand.name)
+        if cap is not None and cap.rate_rps <= 0:
+            why = cap.points[-1].violations if cap.points else ()
+            console.print(
+                f"{cand.name}: one replica misses the SLO at every probed rate ({'; '.join(why)})"
+            )
+
+
+def _plan_dict(
+    args: argparse.Namespace,
+    slo: PercentileSlo,
+    candidates: Sequence[Candidate],
+    deployments: Sequence[Deployment],
+    capacities: dict[str, CapacityResult],
+    mean_in: float,
+    mean_out: float,
+) -> dict[str, Any]:
+    ranked = [d.to_dict() | {"capacity": d.capacity.to_dict()} for d in deployments]
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "command": _command(args),
+        "model": get_model(args.model).name,
+        "target_rps": args.rate,
+        "target_output_tokens_per_s": args.rate * mean_out,
+        "workload": {
+            "spec": args.workload,
+            "seed": args.seed,
+            "num_requests_per_probe": args.num_requests,
+            "mean_input_tokens": mean_in,
+            "mean_output_tokens": mean_out,
+        },
+        "slo": slo.to_dict(),
+        "headroom": args.headroom,
+        "kv_redundancy": args.kv_redundancy,
+        "candidates": [c.ledger_dict() for c in candidates],
+        "capacities": {name: cap.to_dict() for name, cap in capacities.items()},
+        "deployments": ranked,
+        "recommended": ranked[0] if ranked else None,
+    }
+
+
+def _command(args: argparse.Namespace) -> list[str]:
+    """The command line that reproduces this plan (flags in a fixed order)."""
+    out = ["kiloserve", "plan"]
+    for key, value in sorted(vars(args).items()):
+        flag = "--" + key.replace("_", "-")
+        if key in ("log_level", "func") or value is None or value is False or value == []:
+            continue
+        if value is True:
+            out.append(flag)
+        elif isinstance(value, list):
+            for item in value:
+                out += [flag, str(item)]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def _cluster_runs(
+    args: argparse.Namespace, best: Deployment, slo: PercentileSlo, console: Console
+) -> dict[str, Any]:
+    from kiloserve.plan import pareto
+
+    out: dict[str, Any] = {}
+    if args.verify:
+        out["verify"] = pareto.verify(best, slo, args.workload, seed=args.seed)
+        console.print(pareto.verify_text(out["verify"]))
+    if args.pareto:
+        sizes = pareto.parse_sizes(args.pareto_sizes, best)
+        rate_for: Callable[[int], float] = pareto.rate_for_size(best, args.pareto_load)
+        rows = pareto.pareto_rows(best, sizes, rate_for, args.workload, seed=args.seed)
+        out["pareto"] = rows
+        console.print(pareto.pareto_table(rows))
+        pareto.write_pareto(Path(args.out), rows)
+    return out

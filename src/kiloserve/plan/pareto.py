@@ -1,0 +1,260 @@
+"""Cluster-level checks of a plan: ``--verify`` and the cost-vs-P95 Pareto table (S4.6).
+
+* ``verify``: simulate the recommended cluster (its replicas, the default policy) at
+  the target rate and report SLO attainment (the share of requests meeting every
+  limit) and whether the percentile SLO holds.
+* ``pareto_rows``: simulate the same deployment at several cluster sizes (GPU counts;
+  replicas = GPUs / TP). ``scaled`` load drives each size at the load the plan would
+  give it (replicas x per-replica capacity / headroom), like seed 000's table where
+  requests/day grow with the cluster; ``target`` load drives every size at the target
+  rate (bigger clusters buy lower latency). Each row: requests/day, P95 TTFT / TPOT /
+  E2E, $/hour and $/request; rows on the Pareto front (no other row is both cheaper
+  per request and lower in P95 E2E) are marked.
+
+Every run is one deterministic simulation with ``requests_per_backend`` requests
+per replica (50 by default, at least ``MIN_NUM_REQUESTS``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from kiloserve.bench.tables import fmt
+from kiloserve.errors import ConfigError
+from kiloserve.plan.capacity import PercentileSlo, deployment_cluster, slo_violations
+from kiloserve.plan.planner import Deployment, cost_per_request
+from kiloserve.sim import simulate
+from kiloserve.workload import load_workload
+
+__all__ = [
+    "DEFAULT_REQUESTS_PER_BACKEND",
+    "pareto_rows",
+    "pareto_table",
+    "parse_sizes",
+    "rate_for_size",
+    "simulate_deployment",
+    "verify",
+    "verify_text",
+    "write_pareto",
+]
+
+DEFAULT_REQUESTS_PER_BACKEND = 50
+MIN_NUM_REQUESTS = 500
+SECONDS_PER_DAY = 86_400.0
+
+
+def simulate_deployment(
+    deployment: Deployment,
+    num_replicas: int,
+    rate_rps: float,
+    workload_spec: str,
+    *,
+    seed: int = 0,
+    slo: PercentileSlo | None = None,
+    requests_per_backend: int = DEFAULT_REQUESTS_PER_BACKEND,
+) -> dict[str, Any]:
+    """Bench-schema summary of ``num_replicas`` of the deployment at ``rate_rps``."""
+    c = deployment.candidate
+    ledger = c.ledger
+    cluster = deployment_cluster(
+        c.gpu.name,
+        c.model.name,
+        c.tp,
+        c.quant,
+        num_replicas,
+        price_per_gpu_hour=deployment.price_per_gpu_hour,
+        max_model_len=ledger.max_model_len if ledger is not None else None,
+    )
+    num_requests = max(MIN_NUM_REQUESTS, requests_per_backend * num_replicas)
+    workload = load_workload(
+        workload_spec, seed=seed, num_requests=num_requests, rate=rate_rps, with_prompts=False
+    )
+    per_request = slo.per_request_slo() if slo is not None else None
+    return simulate(cluster, workload, "default", seed=seed, slo=per_request).summary
+
+
+def verify(
+    deployment: Deployment,
+    slo: PercentileSlo,
+    workload_spec: str,
+    *,
+    seed: int = 0,
+    requests_per_backend: int = DEFAULT_REQUESTS_PER_BACKEND,
+) -> dict[str, Any]:
+    """Simulate the recommended cluster at the target rate; SLO attainment and checks."""
+    summary = simulate_deployment(
+        deployment,
+        deployment.num_replicas,
+        deployment.target_rps,
+        workload_spec,
+        seed=seed,
+        slo=slo,
+        requests_per_backend=requests_per_backend,
+    )
+    violations = slo_violations(summary, slo)
+    return _row(deployment, deployment.num_replicas, deployment.target_rps, summary) | {
+        "slo_attainment": summary.get("slo_attainment"),
+        "is_slo_met": not violations,
+        "violations": violations,
+        "p95_std_across_backends_ms": summary.get("p95_std_across_backends_ms"),
+    }
+
+
+def verify_text(result: Mapping[str, Any]) -> str:
+    """One paragraph for the terminal."""
+    state = "met" if result["is_slo_met"] else "MISSED (" + "; ".join(result["violations"]) + ")"
+    attainment = result.get("slo_attainment")
+    share = "-" if attainment is None else f"{attainment:.1%}"
+    return (
+        f"verify: {result['num_gpus']} GPUs ({result['num_replicas']} replicas) at "
+        f"{result['rate_rps']:g} req/s: SLO {state}; {share} of requests within every "
+        f"limit; P95 TTFT {fmt(result['ttft_p95_ms'])} ms, TPOT {fmt(result['tpot_p95_ms'])} "
+        f"ms, E2E {fmt(result['e2e_p95_ms'])} ms"
+    )
+
+
+def parse_sizes(text: str | None, deployment: Deployment) -> list[int]:
+    """GPU counts for the Pareto table; default: half, one and two times the plan."""
+    tp = deployment.candidate.tp
+    if text:
+        try:
+            sizes = [int(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            raise ConfigError(f"--pareto-sizes must be GPU counts, got {text!r}") from None
+        bad = [s for s in sizes if s < tp or s % tp]
+        if not sizes or bad:
+            raise ConfigError(f"--pareto-sizes must be multiples of TP{tp}, got {text!r}")
+        return sorted(set(sizes))
+    cards = deployment.num_cards
+    return sorted({max(tp, round(cards * f / tp) * tp) for f in (0.5, 1.0, 2.0)})
+
+
+def rate_for_size(deployment: Deployment, mode: str) -> Callable[[int], float]:
+    """Offered rate for a cluster of ``num_gpus`` (module docstring: scaled / target)."""
+    if mode == "target":
+        return lambda num_gpus: deployment.target_rps
+    if mode != "scaled":
+        raise ConfigError(f"pareto load must be 'scaled' or 'target', got {mode!r}")
+    per_replica = deployment.capacity.rate_rps / deployment.headroom
+    return lambda num_gpus: num_gpus // deployment.candidate.tp * per_replica
+
+
+def pareto_rows(
+    deployment: Deployment,
+    sizes: Sequence[int],
+    rate_for: Callable[[int], float],
+    workload_spec: str,
+    *,
+    seed: int = 0,
+    requests_per_backend: int = DEFAULT_REQUESTS_PER_BACKEND,
+) -> list[dict[str, Any]]:
+    """One simulated row per cluster size, Pareto-optimal rows marked."""
+    rows = []
+    for num_gpus in sizes:
+        num_replicas = num_gpus // deployment.candidate.tp
+        rate = rate_for(num_gpus)
+        summary = simulate_deployment(
+            deployment,
+            num_replicas,
+            rate,
+            workload_spec,
+            seed=seed,
+            requests_per_backend=requests_per_backend,
+        )
+        rows.append(_row(deployment, num_replicas, rate, summary))
+    _mark_front(rows)
+    return rows
+
+
+def _row(
+    deployment: Deployment, num_replicas: int, rate_rps: float, summary: Mapping[str, Any]
+) -> dict[str, Any]:
+    num_gpus = num_replicas * deployment.candidate.tp
+    cost_per_hour = num_gpus * deployment.price_per_gpu_hour
+    throughput = float(summary.get("request_throughput", 0.0))
+
+    def p95(key: str) -> float | None:
+        value = (summary.get(key) or {}).get("p95")
+        return None if value is None else float(value)
+
+    return {
+        "num_gpus": num_gpus,
+        "num_replicas": num_replicas,
+        "rate_rps": rate_rps,
+        "request_throughput": throughput,
+        "requests_per_day": throughput * SECONDS_PER_DAY,
+        "output_token_throughput": float(summary.get("output_token_throughput", 0.0)),
+        "ttft_p95_ms": p95("ttft_ms"),
+        "tpot_p95_ms": p95("tpot_ms"),
+        "e2e_p95_ms": p95("e2e_ms"),
+        "error_rate": float(summary.get("error_rate", 0.0)),
+        "cost_per_hour": cost_per_hour,
+        "cost_per_request": cost_per_request(cost_per_hour, throughput),
+        "sim_wall_s": summary.get("sim_wall_s"),
+        "simulated_requests": summary.get("simulated_requests"),
+    }
+
+
+def _mark_front(rows: list[dict[str, Any]]) -> None:
+    def key(row: Mapping[str, Any]) -> tuple[float, float]:
+        e2e = row["e2e_p95_ms"]
+        return row["cost_per_request"], math.inf if e2e is None else e2e
+
+    for row in rows:
+        cost, p95 = key(row)
+        row["is_pareto"] = not any(
+            (k := key(other)) != (cost, p95) and k[0] <= cost and k[1] <= p95 for other in rows
+        )
+
+
+def pareto_table(rows: Sequence[Mapping[str, Any]]) -> Table:
+    """The seed-000-style table: GPUs, requests/day, P95s, $/request."""
+    table = Table(title="Cost vs P95 across cluster sizes (* = Pareto front)")
+    cols = ("GPUs", "replicas", "offered req/s", "req/day", "P95 TTFT ms", "P95 TPOT ms",
+            "P95 E2E ms", "$/hour", "$/request", "front")  # fmt: skip
+    for col in cols:
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(
+            str(r["num_gpus"]),
+            str(r["num_replicas"]),
+            fmt(r["rate_rps"]),
+            f"{r['requests_per_day'] / 1e6:.2f}M",
+            fmt(r["ttft_p95_ms"]),
+            fmt(r["tpot_p95_ms"]),
+            fmt(r["e2e_p95_ms"]),
+            fmt(r["cost_per_hour"], 0),
+            f"{r['cost_per_request']:.5f}",
+            "*" if r["is_pareto"] else "",
+        )
+    return table
+
+
+def write_pareto(out_dir: Path, rows: Sequence[Mapping[str, Any]]) -> Path | None:
+    """``pareto.png`` ($/request vs P95 E2E, labelled by GPUs); None without matplotlib."""
+    from kiloserve.bench import plots
+
+    if not plots.is_available() or not rows:
+        return None
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7.0, 4.5), layout="tight")
+    ax = fig.add_subplot()
+    xs = [r["e2e_p95_ms"] or math.nan for r in rows]
+    ys = [r["cost_per_request"] for r in rows]
+    ax.plot(xs, ys, "o-")
+    for x, y, r in zip(xs, ys, rows, strict=True):
+        ax.annotate(f"{r['num_gpus']} GPUs", (x, y), textcoords="offset points", xytext=(5, 5))
+    ax.set_xlabel("P95 E2E latency (ms)")
+    ax.set_ylabel("cost per request ($)")
+    ax.set_title("Cost vs P95 across cluster sizes")
+    ax.grid(True, alpha=0.3)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "pareto.png"
+    fig.savefig(path, dpi=100)
+    return path
