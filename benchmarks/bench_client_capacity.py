@@ -2,7 +2,9 @@
 
 Starts a minimal raw-asyncio OpenAI-style SSE server in a *separate process* (it
 emits one chunk per active stream every ``--step-ms``, like an engine's decode step,
-with chunked transfer encoding and keep-alive), then drives it with
+with chunked transfer encoding and keep-alive), or with ``--server twin`` an engine
+twin at ``--slowdown 0.001`` (then the twin's own Python cost is usually the limit),
+then drives it with
 ``kiloserve.bench.client.run_bench`` and prints measured numbers against the targets:
 >= 2,000 concurrent streams and >= 50,000 chunks/s, with the client's event-loop lag
 and CPU use. Run: ``.venv/bin/python benchmarks/bench_client_capacity.py``.
@@ -129,11 +131,19 @@ async def _phase(url: str, concurrency: int, num_requests: int, output: str) -> 
     }
 
 
-def _run_phase(name: str, step_ms: float, concurrency: int, num_requests: int,
+def _server_cmd(server: str, port: int, step_ms: float) -> list[str]:
+    if server == "raw":
+        return [sys.executable, __file__, "--serve", str(port), "--step-ms", str(step_ms)]
+    # an engine twin answering (almost) instantly: every modelled step takes 1/1000
+    return [sys.executable, "-m", "kiloserve", "engine", "--gpu", "H100-SXM", "--model",
+            "llama-3.1-8b", "--served-model-name", "m", "--port", str(port), "--slowdown",
+            "0.001", "--max-num-seqs", "4096", "--log-level", "WARNING"]  # fmt: skip
+
+
+def _run_phase(name: str, server: str, step_ms: float, concurrency: int, num_requests: int,
                output: str) -> dict[str, float]:  # fmt: skip
     port = _free_port()
-    cmd = [sys.executable, __file__, "--serve", str(port), "--step-ms", str(step_ms)]
-    proc = subprocess.Popen(cmd)
+    proc = subprocess.Popen(_server_cmd(server, port, step_ms))
     try:
         _wait_ready(port)
         stats = asyncio.run(_phase(f"http://127.0.0.1:{port}", concurrency, num_requests,
@@ -141,8 +151,9 @@ def _run_phase(name: str, step_ms: float, concurrency: int, num_requests: int,
     finally:
         proc.terminate()
         proc.wait(10)
-    print(f"{name}: concurrency {concurrency}, output {output} tokens, server step "
-          f"{step_ms} ms -> ok {stats['ok']:.0f} failed {stats['failed']:.0f}, max in flight "
+    step = f"step {step_ms} ms" if server == "raw" else "slowdown 0.001"
+    print(f"{name}: {server} server ({step}), concurrency {concurrency}, output {output} "
+          f"tokens -> ok {stats['ok']:.0f} failed {stats['failed']:.0f}, max in flight "
           f"{stats['max_in_flight']:.0f}, {stats['chunks_per_s']:,.0f} chunks/s, loop lag p99 "
           f"{stats['lag_p99_ms']:.1f} ms, client CPU {stats['cpu_util']:.0%} "
           f"({stats['chunks_per_cpu_s']:,.0f} chunks per client CPU-second), "
@@ -155,13 +166,20 @@ def main() -> int:
     p.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     p.add_argument("--step-ms", type=float, default=20.0, help=argparse.SUPPRESS)
     p.add_argument("--streams", type=int, default=TARGET_STREAMS)
+    p.add_argument(
+        "--server",
+        choices=("raw", "twin"),
+        default="raw",
+        help="raw asyncio SSE server (default) or an engine twin at --slowdown 0.001",
+    )
     args = p.parse_args()
     if args.serve:
         asyncio.run(serve(args.serve, args.step_ms / 1000.0))
         return 0
     # lengths vary so streams finish at different times, as with a real engine
-    streams = _run_phase("streams", 50.0, args.streams, 3 * args.streams, "uniform(20,60)")
-    chunks = _run_phase("chunks", 2.0, 200, 600, "fixed(400)")
+    streams = _run_phase("streams", args.server, 50.0, args.streams, 3 * args.streams,
+                         "uniform(20,60)")  # fmt: skip
+    chunks = _run_phase("chunks", args.server, 2.0, 200, 600, "fixed(400)")
     held = streams["max_in_flight"] >= TARGET_STREAMS and streams["failed"] == 0
     fast = chunks["chunks_per_s"] >= TARGET_CHUNKS_PER_S and chunks["failed"] == 0
     print(f"concurrent streams: {streams['max_in_flight']:.0f} (target {TARGET_STREAMS}): "
