@@ -110,6 +110,11 @@ def _retryable_status(status: int) -> bool:
 class _Attempt:
     """One try of one request on one backend, with its accounting."""
 
+    __slots__ = (
+        "backend_id", "call", "ctx", "first_token_at", "last_chunk_at", "loop",
+        "output_tokens", "started",
+    )  # fmt: skip
+
     def __init__(self, ctx: ProxyContext, call: _Call, backend_id: str) -> None:
         self.ctx = ctx
         self.call = call
@@ -119,7 +124,6 @@ class _Attempt:
         self.first_token_at: float | None = None
         self.last_chunk_at = self.started
         self.output_tokens = 0
-        self.status = 0
 
     def dispatch(self) -> None:
         self.ctx.table.on_dispatch(self.backend_id, self.call.info)
@@ -202,9 +206,9 @@ def _whole_response(
 ) -> web.Response:
     if resp.status == 200:
         att.output_tokens = _usage_tokens(body)
-    out = web.Response(status=resp.status, body=body, headers=_our_headers(call, att.backend_id))
-    out.content_type = resp.content_type
-    return out
+    headers = _our_headers(call, att.backend_id)
+    headers["Content-Type"] = resp.content_type or "application/json"
+    return web.Response(status=resp.status, body=body, headers=headers)
 
 
 async def _pump(
