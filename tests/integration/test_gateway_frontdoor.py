@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from typing import Any
 
@@ -164,3 +165,27 @@ async def test_metrics_exposes_gateway_series() -> None:
         if ln.startswith("kiloserve_gateway_inter_token_seconds_count")
     ]
     assert len(itl) == 1 and float(itl[0].split()[-1]) >= 2  # 3 chunks spaced 10 ms apart
+
+
+async def test_in_flight_limit_answers_503_instead_of_queueing() -> None:
+    async with fake_backends(FakeBackend(mode="hang")) as (fake,):
+        cfg = gateway_config([{"url": fake.url}], max_in_flight=1)
+        async with running_gateway(cfg) as url, aiohttp.ClientSession() as s:
+            hung = asyncio.create_task(_post(s, url, b'{"model": "m"}'))
+            for _ in range(100):
+                if fake.num_active:
+                    break
+                await asyncio.sleep(0.01)
+            status, body, headers = await _post(s, url, b'{"model": "m"}')
+            assert status == 503 and headers["Retry-After"] == "1"
+            assert body["error"]["code"] == "overloaded"
+            hung.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await hung
+            fake.mode = "ok"
+            for _ in range(100):  # the slot is free again once the client left
+                if (await _post(s, url, b'{"model": "m"}'))[0] == 200:
+                    break
+                await asyncio.sleep(0.02)
+            else:
+                raise AssertionError("in-flight slot never freed")

@@ -132,8 +132,8 @@ def _decide(ctx: ProxyContext, info: RequestInfo) -> tuple[str, ...]:
     return ranked
 
 
-def _no_backend(model: str, request_id: str) -> web.Response:
-    exc = RequestError(f"no healthy backend for model `{model}`; retry later", code="no_backend")
+def _unavailable(message: str, code: str, request_id: str) -> web.Response:
+    exc = RequestError(message, code=code)
     exc.status = 503
     exc.err_type = "service_unavailable"
     return _error(exc, request_id, {"Retry-After": "1"})
@@ -150,12 +150,20 @@ async def _proxy(request: web.Request, path: str) -> web.StreamResponse:
     except RequestError as exc:
         ctx.metrics.request_done("", "", exc.status)
         return _error(exc, rid)
+    if ctx.num_in_flight >= ctx.cfg.max_in_flight:
+        ctx.metrics.request_done(info.model, "", 503)
+        return _unavailable("the gateway is at its in-flight limit; retry later", "overloaded", rid)
     ranked = _decide(ctx, info)
     if not ranked:
         ctx.metrics.request_done(info.model, "", 503)
-        return _no_backend(info.model, rid)
+        message = f"no healthy backend for model `{info.model}`; retry later"
+        return _unavailable(message, "no_backend", rid)
     decision = Decision(ranked=ranked, policy=ctx.policy.name)
-    return await forward(ctx, request, path, body, raw, info, decision)
+    ctx.num_in_flight += 1
+    try:
+        return await forward(ctx, request, path, body, raw, info, decision)
+    finally:
+        ctx.num_in_flight -= 1
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -222,7 +230,7 @@ def _needs_discovery(table: BackendTable) -> bool:
 async def _on_startup(app: web.Application) -> None:
     ctx = app[CTX_KEY]
     cfg = ctx.cfg
-    connector = aiohttp.TCPConnector(limit=cfg.max_connections, limit_per_host=0)
+    connector = aiohttp.TCPConnector(limit=100, limit_per_host=4)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s)
     session = aiohttp.ClientSession(connector=connector, timeout=timeout)
     app[_SESSION_KEY] = session
@@ -255,7 +263,7 @@ def create_gateway_app(cfg: GatewayConfig, *, policy: Policy | None = None) -> w
     chosen = policy if policy is not None else create_policy_for(cfg)
     ctx = ProxyContext(
         cfg=cfg,
-        upstream=UpstreamPool(cfg.connect_timeout_s),
+        upstream=UpstreamPool(cfg.connect_timeout_s, cfg.max_idle_connections),
         table=table,
         metrics=gw_metrics,
         policy=chosen,

@@ -99,7 +99,8 @@ class GatewayConfig(_Strict):
     first_byte_timeout_s: float = Field(default=60.0, gt=0.0)
     request_timeout_s: float = Field(default=600.0, gt=0.0)
     max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
-    max_connections: int = Field(default=1000, ge=1)
+    max_idle_connections: int = Field(default=256, ge=0)
+    max_in_flight: int = Field(default=10_000, ge=1)
     admin_token: str | None = None
     block_size: int = Field(default=16, ge=1)
     max_prefix_tokens: int = Field(default=2048, ge=0)

@@ -48,6 +48,7 @@ class ProxyContext:
     policy: Policy
     profiler: Profiler
     rng: random.Random
+    num_in_flight: int = 0
 
 
 @dataclass(slots=True)
