@@ -50,7 +50,10 @@ class SseRelay:
                 self._buf = buf
                 return b""
             cut = len(buf)
-        done, self._buf = buf[:cut], buf[cut:]
+        if cut == len(buf):  # the usual case: the chunk ends on an event boundary
+            done, self._buf = buf, b""
+        else:
+            done, self._buf = buf[:cut], buf[cut:]
         if _USAGE in done:
             done = self._filter_usage(done)
         self.num_events += done.count(b"data:")
