@@ -96,6 +96,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="scaled",
         help="scaled: each size at its planned load (seed 000's table); target: all at --rate",
     )
+    a(
+        "--sim-duration",
+        type=float,
+        default=60.0,
+        help="simulated seconds of arrivals per --verify / --pareto run (60)",
+    )
     a("--out", default="plan-out", help="output folder for plan.json (plan-out)")
 
 
@@ -383,13 +389,25 @@ def _cluster_runs(
 
     out: dict[str, Any] = {}
     if args.verify:
-        out["verify"] = pareto.verify(best, slo, args.workload, seed=args.seed)
+        out["verify"] = pareto.verify(
+            best, slo, args.workload, seed=args.seed, duration_s=args.sim_duration
+        )
         console.print(pareto.verify_text(out["verify"]))
     if args.pareto:
         sizes = pareto.parse_sizes(args.pareto_sizes, best)
         rate_for: Callable[[int], float] = pareto.rate_for_size(best, args.pareto_load)
-        rows = pareto.pareto_rows(best, sizes, rate_for, args.workload, seed=args.seed)
+        rows = pareto.pareto_rows(
+            best,
+            sizes,
+            rate_for,
+            args.workload,
+            slo=slo,
+            seed=args.seed,
+            duration_s=args.sim_duration,
+        )
         out["pareto"] = rows
         console.print(pareto.pareto_table(rows))
-        pareto.write_pareto(Path(args.out), rows)
+        png = pareto.write_pareto(Path(args.out), rows)
+        if png is not None:
+            console.print(f"pareto plot: {png}")
     return out

@@ -9,10 +9,13 @@
   requests/day grow with the cluster; ``target`` load drives every size at the target
   rate (bigger clusters buy lower latency). Each row: requests/day, P95 TTFT / TPOT /
   E2E, $/hour and $/request; rows on the Pareto front (no other row is both cheaper
-  per request and lower in P95 E2E) are marked.
+  per request and lower in P95 TTFT, the latency seed 000's table reports) are marked.
 
-Every run is one deterministic simulation with ``requests_per_backend`` requests
-per replica (50 by default, at least ``MIN_NUM_REQUESTS``).
+Every run is one deterministic simulation of ``duration_s`` seconds of arrivals (60
+by default; at least ``MIN_NUM_REQUESTS`` requests). Requests/day is the offered rate
+times the success rate: a finite run's measured throughput (requests / time to the
+last completion) is biased low by the drain at its end. Latencies include the
+warm-up from an empty cluster, so a run should last several E2E latencies.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from kiloserve.sim import simulate
 from kiloserve.workload import load_workload
 
 __all__ = [
-    "DEFAULT_REQUESTS_PER_BACKEND",
+    "DEFAULT_DURATION_S",
     "pareto_rows",
     "pareto_table",
     "parse_sizes",
@@ -43,8 +46,8 @@ __all__ = [
     "write_pareto",
 ]
 
-DEFAULT_REQUESTS_PER_BACKEND = 50
-MIN_NUM_REQUESTS = 500
+DEFAULT_DURATION_S = 60.0
+MIN_NUM_REQUESTS = 200
 SECONDS_PER_DAY = 86_400.0
 
 
@@ -56,7 +59,7 @@ def simulate_deployment(
     *,
     seed: int = 0,
     slo: PercentileSlo | None = None,
-    requests_per_backend: int = DEFAULT_REQUESTS_PER_BACKEND,
+    duration_s: float = DEFAULT_DURATION_S,
 ) -> dict[str, Any]:
     """Bench-schema summary of ``num_replicas`` of the deployment at ``rate_rps``."""
     c = deployment.candidate
@@ -70,7 +73,9 @@ def simulate_deployment(
         price_per_gpu_hour=deployment.price_per_gpu_hour,
         max_model_len=ledger.max_model_len if ledger is not None else None,
     )
-    num_requests = max(MIN_NUM_REQUESTS, requests_per_backend * num_replicas)
+    if not duration_s > 0 or not rate_rps > 0:
+        raise ConfigError(f"need duration_s > 0 and rate > 0, got {duration_s}, {rate_rps}")
+    num_requests = max(MIN_NUM_REQUESTS, math.ceil(rate_rps * duration_s))
     workload = load_workload(
         workload_spec, seed=seed, num_requests=num_requests, rate=rate_rps, with_prompts=False
     )
@@ -84,7 +89,7 @@ def verify(
     workload_spec: str,
     *,
     seed: int = 0,
-    requests_per_backend: int = DEFAULT_REQUESTS_PER_BACKEND,
+    duration_s: float = DEFAULT_DURATION_S,
 ) -> dict[str, Any]:
     """Simulate the recommended cluster at the target rate; SLO attainment and checks."""
     summary = simulate_deployment(
@@ -94,7 +99,7 @@ def verify(
         workload_spec,
         seed=seed,
         slo=slo,
-        requests_per_backend=requests_per_backend,
+        duration_s=duration_s,
     )
     violations = slo_violations(summary, slo)
     return _row(deployment, deployment.num_replicas, deployment.target_rps, summary) | {
@@ -150,10 +155,12 @@ def pareto_rows(
     rate_for: Callable[[int], float],
     workload_spec: str,
     *,
+    slo: PercentileSlo | None = None,
     seed: int = 0,
-    requests_per_backend: int = DEFAULT_REQUESTS_PER_BACKEND,
+    duration_s: float = DEFAULT_DURATION_S,
 ) -> list[dict[str, Any]]:
-    """One simulated row per cluster size, Pareto-optimal rows marked."""
+    """One simulated row per cluster size, Pareto-optimal rows marked (and whether
+    each meets ``slo``, when given)."""
     rows = []
     for num_gpus in sizes:
         num_replicas = num_gpus // deployment.candidate.tp
@@ -164,9 +171,12 @@ def pareto_rows(
             rate,
             workload_spec,
             seed=seed,
-            requests_per_backend=requests_per_backend,
+            duration_s=duration_s,
         )
-        rows.append(_row(deployment, num_replicas, rate, summary))
+        row = _row(deployment, num_replicas, rate, summary)
+        if slo is not None:
+            row["is_slo_met"] = not slo_violations(summary, slo)
+        rows.append(row)
     _mark_front(rows)
     return rows
 
@@ -176,7 +186,7 @@ def _row(
 ) -> dict[str, Any]:
     num_gpus = num_replicas * deployment.candidate.tp
     cost_per_hour = num_gpus * deployment.price_per_gpu_hour
-    throughput = float(summary.get("request_throughput", 0.0))
+    served_rps = rate_rps * (1.0 - float(summary.get("error_rate", 0.0)))
 
     def p95(key: str) -> float | None:
         value = (summary.get(key) or {}).get("p95")
@@ -186,15 +196,15 @@ def _row(
         "num_gpus": num_gpus,
         "num_replicas": num_replicas,
         "rate_rps": rate_rps,
-        "request_throughput": throughput,
-        "requests_per_day": throughput * SECONDS_PER_DAY,
-        "output_token_throughput": float(summary.get("output_token_throughput", 0.0)),
+        "measured_request_throughput": float(summary.get("request_throughput", 0.0)),
+        "requests_per_day": served_rps * SECONDS_PER_DAY,
+        "output_tokens_per_s": served_rps * deployment.mean_output_tokens,
         "ttft_p95_ms": p95("ttft_ms"),
         "tpot_p95_ms": p95("tpot_ms"),
         "e2e_p95_ms": p95("e2e_ms"),
         "error_rate": float(summary.get("error_rate", 0.0)),
         "cost_per_hour": cost_per_hour,
-        "cost_per_request": cost_per_request(cost_per_hour, throughput),
+        "cost_per_request": cost_per_request(cost_per_hour, served_rps),
         "sim_wall_s": summary.get("sim_wall_s"),
         "simulated_requests": summary.get("simulated_requests"),
     }
@@ -202,8 +212,8 @@ def _row(
 
 def _mark_front(rows: list[dict[str, Any]]) -> None:
     def key(row: Mapping[str, Any]) -> tuple[float, float]:
-        e2e = row["e2e_p95_ms"]
-        return row["cost_per_request"], math.inf if e2e is None else e2e
+        ttft = row["ttft_p95_ms"]
+        return row["cost_per_request"], math.inf if ttft is None else ttft
 
     for row in rows:
         cost, p95 = key(row)
@@ -216,7 +226,7 @@ def pareto_table(rows: Sequence[Mapping[str, Any]]) -> Table:
     """The seed-000-style table: GPUs, requests/day, P95s, $/request."""
     table = Table(title="Cost vs P95 across cluster sizes (* = Pareto front)")
     cols = ("GPUs", "replicas", "offered req/s", "req/day", "P95 TTFT ms", "P95 TPOT ms",
-            "P95 E2E ms", "$/hour", "$/request", "front")  # fmt: skip
+            "P95 E2E ms", "$/hour", "$/request", "SLO", "front")  # fmt: skip
     for col in cols:
         table.add_column(col, justify="right")
     for r in rows:
@@ -230,13 +240,20 @@ def pareto_table(rows: Sequence[Mapping[str, Any]]) -> Table:
             fmt(r["e2e_p95_ms"]),
             fmt(r["cost_per_hour"], 0),
             f"{r['cost_per_request']:.5f}",
+            _slo_text(r.get("is_slo_met")),
             "*" if r["is_pareto"] else "",
         )
     return table
 
 
+def _slo_text(is_met: object) -> str:
+    if is_met is None:
+        return "-"
+    return "met" if is_met else "missed"
+
+
 def write_pareto(out_dir: Path, rows: Sequence[Mapping[str, Any]]) -> Path | None:
-    """``pareto.png`` ($/request vs P95 E2E, labelled by GPUs); None without matplotlib."""
+    """``pareto.png`` ($/request vs P95 TTFT, labelled by GPUs); None without matplotlib."""
     from kiloserve.bench import plots
 
     if not plots.is_available() or not rows:
@@ -245,12 +262,12 @@ def write_pareto(out_dir: Path, rows: Sequence[Mapping[str, Any]]) -> Path | Non
 
     fig = Figure(figsize=(7.0, 4.5), layout="tight")
     ax = fig.add_subplot()
-    xs = [r["e2e_p95_ms"] or math.nan for r in rows]
+    xs = [r["ttft_p95_ms"] or math.nan for r in rows]
     ys = [r["cost_per_request"] for r in rows]
     ax.plot(xs, ys, "o-")
     for x, y, r in zip(xs, ys, rows, strict=True):
         ax.annotate(f"{r['num_gpus']} GPUs", (x, y), textcoords="offset points", xytext=(5, 5))
-    ax.set_xlabel("P95 E2E latency (ms)")
+    ax.set_xlabel("P95 TTFT (ms)")
     ax.set_ylabel("cost per request ($)")
     ax.set_title("Cost vs P95 across cluster sizes")
     ax.grid(True, alpha=0.3)

@@ -1,0 +1,122 @@
+"""``kiloserve plan`` end to end: simulated rate search, sweep-file input, plan.json,
+``--verify`` and ``--pareto`` (small, fast settings)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kiloserve.cli import main
+
+WORKLOAD = "synthetic:input=fixed(200),output=fixed(20)"
+SMALL = ["--model", "llama-3.1-8b", "--gpu", "H100", "--tp", "1", "--workload", WORKLOAD]
+SLO = ["--slo", "ttft_p95=300ms,tpot_p95=40ms"]
+
+
+def _plan(out: Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((out / "plan.json").read_text())
+    return data
+
+
+def _sweep(path: Path) -> Path:
+    def row(value: float, req_s: float, ttft_p95: float) -> dict[str, float]:
+        return {
+            "value": value, "request_throughput": req_s, "output_token_throughput": req_s * 20,
+            "tpot_p50_ms": 20.0, "tpot_p95_ms": 25.0, "ttft_p50_ms": ttft_p95 / 2,
+            "ttft_p95_ms": ttft_p95, "e2e_p95_ms": 900.0, "error_rate": 0.0,
+        }  # fmt: skip
+
+    points = [row(1, 1.0, 100.0), row(4, 4.0, 250.0), row(8, 6.0, 400.0)]
+    path.write_text(json.dumps({"schema_version": 1, "parameter": "concurrency", "points": points}))
+    return path
+
+
+def test_plan_simulated_rate_search(tmp_path: Path) -> None:
+    args = ["plan", *SMALL, *SLO, "--rate", "40", "--num-requests", "60", "--max-probes", "6"]
+    assert main([*args, "--out", str(tmp_path)]) == 0
+    plan = _plan(tmp_path)
+    assert plan["model"] == "Llama-3.1-8B"
+    assert plan["workload"]["mean_input_tokens"] == 200
+    assert plan["workload"]["mean_output_tokens"] == 20
+    (ledger,) = plan["candidates"]
+    assert ledger["fits"] and ledger["gpu"] == "H100-SXM" and ledger["kv_tokens"] > 100_000
+    best = plan["recommended"]
+    capacity = plan["capacities"]["H100-SXM TP1 bf16"]
+    assert capacity["source"] == "simulated"
+    assert 1 <= len(capacity["probes"]) <= 6
+    per_replica = best["per_replica_rps"]
+    assert per_replica > 0
+    # The chosen rate is the highest probe that met the SLO, and every failing probe
+    # names a violated objective.
+    passing = [p["rate_rps"] for p in capacity["probes"] if p["is_passing"]]
+    assert per_replica == max(passing)
+    assert all(p["violations"] for p in capacity["probes"] if not p["is_passing"])
+    assert best["num_replicas"] == math.ceil(40 / per_replica * 1.25 - 1e-9)
+    assert best["num_cards"] == best["num_replicas"]
+    assert best["cost_per_hour"] == pytest.approx(best["num_cards"] * 2.5)
+    assert plan["command"][:2] == ["kiloserve", "plan"]
+
+
+def test_plan_from_sweep_file(tmp_path: Path) -> None:
+    sweep = _sweep(tmp_path / "sweep.json")
+    args = ["plan", *SMALL, *SLO, "--rate", "20", "--price", "H100=3", "--headroom", "1.2"]
+    assert main([*args, "--sweep-file", str(sweep), "--out", str(tmp_path / "out")]) == 0
+    best = _plan(tmp_path / "out")["recommended"]
+    # Highest sweep point within ttft_p95 <= 300 ms: 4 req/s -> ceil(20 / 4 x 1.2) = 6.
+    assert best["per_replica_rps"] == 4.0
+    assert best["capacity_source"] == f"sweep:{sweep}"
+    assert best["num_replicas"] == 6
+    assert best["cost_per_hour"] == pytest.approx(18.0)
+    assert best["cost_per_million_output_tokens"] == pytest.approx(18.0 / (20 * 20 * 3600) * 1e6)
+
+
+def test_sweep_file_needs_one_candidate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    sweep = _sweep(tmp_path / "sweep.json")
+    args = ["plan", "--model", "llama-3.1-8b", "--gpu", "H100", "--workload", WORKLOAD, *SLO]
+    rc = main([*args, "--rate", "5", "--sweep-file", str(sweep), "--out", str(tmp_path)])
+    assert rc == 2
+    assert "narrow --gpu/--tp/--quant" in capsys.readouterr().err
+    assert not (tmp_path / "plan.json").exists()
+
+
+def test_plan_verify_and_pareto(tmp_path: Path) -> None:
+    sweep = _sweep(tmp_path / "sweep.json")
+    args = ["plan", *SMALL, *SLO, "--rate", "6", "--sweep-file", str(sweep), "--verify"]
+    args += ["--pareto", "--pareto-sizes", "1,2,4", "--sim-duration", "20"]
+    assert main([*args, "--out", str(tmp_path / "out")]) == 0
+    plan = _plan(tmp_path / "out")
+    assert plan["recommended"]["num_replicas"] == 2  # ceil(6 / 4 x 1.25)
+    verify = plan["verify"]
+    assert verify["num_gpus"] == 2 and verify["rate_rps"] == 6
+    assert verify["simulated_requests"] == 200  # at least MIN_NUM_REQUESTS
+    assert 0.0 <= verify["slo_attainment"] <= 1.0
+    assert verify["is_slo_met"] == (not verify["violations"])
+    rows = plan["pareto"]
+    assert [r["num_gpus"] for r in rows] == [1, 2, 4]
+    # scaled load: each size at replicas x 4 req/s / 1.25 headroom
+    assert [r["rate_rps"] for r in rows] == pytest.approx([3.2, 6.4, 12.8])
+    assert all(r["cost_per_request"] > 0 and r["ttft_p95_ms"] > 0 for r in rows)
+    assert any(r["is_pareto"] for r in rows)
+    assert (tmp_path / "out" / "pareto.png").stat().st_size > 0
+
+
+def test_plan_cli_process(tmp_path: Path) -> None:
+    sweep = _sweep(tmp_path / "sweep.json")
+    cmd = [sys.executable, "-m", "kiloserve", "plan", *SMALL, *SLO, "--rate", "20"]
+    cmd += ["--sweep-file", str(sweep), "--out", str(tmp_path / "out")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "Memory ledger" in proc.stdout and "cheapest first" in proc.stdout
+    assert _plan(tmp_path / "out")["recommended"]["num_replicas"] == 7  # ceil(6.25)
+
+
+def test_plan_bad_slo_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", *SMALL, "--slo", "tpot_p95=40ms", "--rate", "5", "--out", str(tmp_path)]
+    assert main(args) == 2
+    assert "must bound ttft or e2e" in capsys.readouterr().err
