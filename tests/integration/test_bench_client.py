@@ -39,6 +39,7 @@ class FakeServer:
     def __init__(self) -> None:
         self.bodies: list[dict[str, Any]] = []
         self.auth: list[str | None] = []
+        self.peers: set[object] = set()
         self._counter = itertools.count()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -74,6 +75,7 @@ class FakeServer:
         body = await request.json()
         self.bodies.append(body)
         self.auth.append(request.headers.get("Authorization"))
+        self.peers.add(request.transport.get_extra_info("peername") if request.transport else None)
         if body["model"] == "fail":
             return web.json_response({"error": {"message": "overloaded"}}, status=503)
         backend = f"b{next(self._counter) % 2}"
@@ -124,6 +126,7 @@ def test_closed_loop_records_and_request_bodies(server: FakeServer) -> None:
     assert {count_tokens(b["prompt"]) for b in server.bodies} <= set(range(20, 61))
     assert server.auth[0] == "Bearer sk-test"
     assert result.client.max_in_flight <= 4
+    assert len(server.peers) <= 4  # pooled keep-alive connections, one per slot
 
 
 def test_open_loop_follows_arrival_times(server: FakeServer) -> None:

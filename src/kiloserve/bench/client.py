@@ -254,10 +254,9 @@ class _Run:
                 record.error = f"HTTP {resp.status}: {text}"[:MAX_ERROR_CHARS]
                 return
             state = StreamState(start, is_chat=self.opts.endpoint == "chat")
+            # read to the end of the body (not just [DONE]) so the connection is reused
             async for data in resp.content.iter_any():
                 state.feed(data, time.perf_counter())
-                if state.is_done:
-                    break
             state.finish(record)
 
     def _started(self) -> None:
