@@ -108,3 +108,15 @@ async def test_cli_bad_policy_exits_2() -> None:
     _, err = await asyncio.wait_for(proc.communicate(), 20)
     assert proc.returncode == 2
     assert b"nope" in err
+
+
+def test_public_surface() -> None:
+    import kiloserve.gateway as gateway
+
+    assert sorted(gateway.__all__) == [
+        "GatewayConfig",
+        "create_gateway_app",
+        "load_gateway_config",
+        "parse_gateway_config",
+    ]
+    assert all(callable(getattr(gateway, name)) for name in gateway.__all__)
