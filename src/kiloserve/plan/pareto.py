@@ -36,6 +36,7 @@ from kiloserve.workload import load_workload
 
 __all__ = [
     "DEFAULT_DURATION_S",
+    "mark_pareto_front",
     "pareto_rows",
     "pareto_table",
     "parse_sizes",
@@ -177,7 +178,7 @@ def pareto_rows(
         if slo is not None:
             row["is_slo_met"] = not slo_violations(summary, slo)
         rows.append(row)
-    _mark_front(rows)
+    mark_pareto_front(rows)
     return rows
 
 
@@ -210,7 +211,9 @@ def _row(
     }
 
 
-def _mark_front(rows: list[dict[str, Any]]) -> None:
+def mark_pareto_front(rows: list[dict[str, Any]]) -> None:
+    """Set ``is_pareto`` on each row: no other row is cheaper per request and faster."""
+
     def key(row: Mapping[str, Any]) -> tuple[float, float]:
         ttft = row["ttft_p95_ms"]
         return row["cost_per_request"], math.inf if ttft is None else ttft
