@@ -38,6 +38,7 @@ class FakeBackend:
     num_chunks: int = 3
     chunk_delay_s: float = 0.0
     metrics_status: int = 200
+    metrics_delay_s: float = 0.0
     bodies: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
     num_active: int = 0
@@ -72,6 +73,8 @@ class FakeBackend:
         return web.json_response({"object": "list", "data": data})
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        if self.metrics_delay_s:
+            await asyncio.sleep(self.metrics_delay_s)
         if self.metrics_status != 200:
             return web.Response(status=self.metrics_status, text="nope")
         return web.Response(text=VLLM_METRICS % self.num_active)

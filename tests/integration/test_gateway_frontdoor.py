@@ -189,3 +189,17 @@ async def test_in_flight_limit_answers_503_instead_of_queueing() -> None:
                 await asyncio.sleep(0.02)
             else:
                 raise AssertionError("in-flight slot never freed")
+
+
+async def test_slow_metrics_backend_goes_stale_without_delaying_others() -> None:
+    slow, fast = FakeBackend(metrics_delay_s=2.0), FakeBackend()
+    async with fake_backends(slow, fast):
+        backends = [{"url": slow.url, "name": "slow"}, {"url": fast.url, "name": "fast"}]
+        cfg = gateway_config(backends, scrape_timeout_s=0.1, stale_after_s=0.3)
+        async with running_gateway(cfg) as url, aiohttp.ClientSession() as s:
+            await asyncio.sleep(0.5)
+            async with s.get(url + "/admin/backends") as r:
+                view = {b["name"]: b for b in (await r.json())["backends"]}
+    assert view["fast"]["scrape_age_s"] < 0.25 and not view["fast"]["scrape_stale"]
+    assert view["slow"]["scrape_stale"] and view["slow"]["num_running"] is None
+    assert view["slow"]["num_scrape_errors_total"] >= 3 and not view["slow"]["healthy"]

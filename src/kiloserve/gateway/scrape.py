@@ -25,13 +25,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import aiohttp
 
 from kiloserve.gateway.backends import BackendTable
 
-__all__ = ["EngineMetrics", "parse_engine_metrics", "scrape_loop", "scrape_once"]
+__all__ = ["EngineMetrics", "parse_engine_metrics", "scrape_loop"]
 
 logger = logging.getLogger(__name__)
 
@@ -176,13 +177,15 @@ async def _scrape_backend(
         table.record_scrape(backend_id, parse_engine_metrics(text), time.monotonic())
 
 
-async def scrape_once(
-    session: aiohttp.ClientSession, table: BackendTable, timeout_s: float
-) -> None:
-    """Scrape every backend concurrently (each bounded by ``timeout_s``)."""
-    ids = table.backend_ids()
-    await asyncio.gather(*(_scrape_backend(session, table, b, timeout_s) for b in ids))
-    table.refresh_staleness(time.monotonic())
+async def _every(interval_s: float, what: str, step: Callable[[], Awaitable[None]]) -> None:
+    """Run ``step`` every ``interval_s`` (start to start) until cancelled."""
+    while True:
+        started = time.monotonic()
+        try:
+            await step()
+        except Exception:  # keep going whatever one round did
+            logger.exception("%s failed", what)
+        await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))
 
 
 async def scrape_loop(
@@ -191,11 +194,17 @@ async def scrape_loop(
     interval_s: float,
     timeout_s: float,
 ) -> None:
-    """Scrape forever, every ``interval_s`` (cancel the task to stop)."""
-    while True:
-        started = time.monotonic()
-        try:
-            await scrape_once(session, table, timeout_s)
-        except Exception:  # keep scraping whatever one round did
-            logger.exception("scrape round failed")
-        await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))
+    """Scrape forever (cancel the task to stop).
+
+    Each backend has its own loop, so one slow backend never delays the others'
+    refresh; a separate tick marks stale values every ``interval_s``.
+    """
+
+    def scrape(backend_id: str) -> Callable[[], Awaitable[None]]:
+        return lambda: _scrape_backend(session, table, backend_id, timeout_s)
+
+    async def refresh() -> None:
+        table.refresh_staleness(time.monotonic())
+
+    loops = [_every(interval_s, f"scrape of {b}", scrape(b)) for b in table.backend_ids()]
+    await asyncio.gather(*loops, _every(interval_s, "staleness refresh", refresh))
