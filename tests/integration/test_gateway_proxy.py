@@ -112,7 +112,9 @@ async def test_retry_on_refused_connection_and_hang() -> None:
         backends = [{"url": dead, "name": "dead"}, {"url": hang.url, "name": "hang"}]
         backends.append({"url": good.url, "name": "good"})
         # a high failure threshold keeps the dead backend routable, so retries are exercised
-        cfg = gateway_config(backends, first_byte_timeout_s=0.3, max_scrape_failures=1000)
+        cfg = gateway_config(
+            backends, first_byte_timeout_s=0.3, non_stream_timeout_s=0.3, max_scrape_failures=1000
+        )
         async with running_gateway(cfg) as url:
             results = await _post_many(url, 3)
             for _ in range(50):  # the gateway closes the hung upstream request

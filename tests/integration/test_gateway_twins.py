@@ -133,7 +133,11 @@ async def test_retries_over_twin_faults_and_refused_connection() -> None:
             {"url": good.url, "name": "good"},
         ]
         cfg = gateway_config(
-            backends, retries=3, first_byte_timeout_s=0.3, max_scrape_failures=10**6
+            backends,
+            retries=3,
+            first_byte_timeout_s=0.3,
+            non_stream_timeout_s=0.3,
+            max_scrape_failures=10**6,
         )
         async with running_gateway(cfg) as url, _client(url) as client:
             served = []

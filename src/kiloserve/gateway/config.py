@@ -97,6 +97,7 @@ class GatewayConfig(_Strict):
     retries: int = Field(default=2, ge=0)
     connect_timeout_s: float = Field(default=2.0, gt=0.0)
     first_byte_timeout_s: float = Field(default=60.0, gt=0.0)
+    non_stream_timeout_s: float = Field(default=300.0, gt=0.0)
     request_timeout_s: float = Field(default=600.0, gt=0.0)
     max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
     max_idle_connections: int = Field(default=256, ge=0)

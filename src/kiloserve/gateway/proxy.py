@@ -170,7 +170,9 @@ async def _try_backend(
 ) -> tuple[UpstreamResponse, bytes] | _Failure:
     """Open the upstream request and wait for its first byte, bounded by the timeouts."""
     loop_time = att.loop.time()
-    budget_s = min(ctx.cfg.first_byte_timeout_s, call.deadline - loop_time)
+    cfg = ctx.cfg
+    first_byte_s = cfg.first_byte_timeout_s if call.is_stream else cfg.non_stream_timeout_s
+    budget_s = min(first_byte_s, call.deadline - loop_time)
     resp: UpstreamResponse | None = None
     try:
         async with asyncio.timeout(budget_s):
