@@ -19,10 +19,11 @@ from typing import Any
 from kiloserve.catalog import get_gpu, get_model
 from kiloserve.engine.config import EngineConfig
 from kiloserve.engine.timing import StepTimeModel
+from kiloserve.errors import ConfigError
 from kiloserve.gateway.backends import BackendTable
 from kiloserve.gateway.config import GatewayConfig, parse_gateway_config
 from kiloserve.gateway.scrape import EngineMetrics
-from kiloserve.launch.cluster import BackendInfo, _describe, gateway_config
+from kiloserve.launch.cluster import BackendInfo, describe_backend, gateway_config
 from kiloserve.launch.config import BackendSpec, ClusterConfig
 from kiloserve.plan.memory import plan_memory
 from kiloserve.sim.backend import BackendModel, SimBackend
@@ -43,6 +44,11 @@ GPU_MEMORY_UTILIZATION = 0.92  # the twin's default (TwinConfig / kiloserve engi
 
 def backend_model(spec: BackendSpec) -> BackendModel:
     """Engine config, timer and API overhead of one cluster line (as ``build_twin``)."""
+    if spec.engine != "twin":
+        raise ConfigError(
+            f"backend {spec.name}: the simulator models engine twins only, not "
+            f"engine: {spec.engine} (simulate a twin with the same gpu and model instead)"
+        )
     gpu, model = get_gpu(spec.gpu), get_model(spec.model)
     ledger = plan_memory(
         gpu,
@@ -81,7 +87,7 @@ def _warn_unmodelled(spec: BackendSpec) -> None:
 
 def describe_backends(cfg: ClusterConfig) -> list[BackendInfo]:
     """What ``kiloserve up`` would print per backend (URL ``http://NAME.sim``: never opened)."""
-    return [_describe(item, f"http://{item.name}.sim") for item in cfg.expanded()]
+    return [describe_backend(item, f"http://{item.name}.sim") for item in cfg.expanded()]
 
 
 def build_backends(cfg: ClusterConfig, *, fast_forward: bool = True) -> list[SimBackend]:

@@ -1,0 +1,177 @@
+"""``kiloserve sim``: simulate a cluster and its gateway under several policies.
+
+    kiloserve sim -c examples/cluster-1024.yaml --workload azure-conv --rate 400 \\
+        --policy round_robin --policy default --out /tmp/sim
+
+writes ``DIR/<policy>/`` (summary.json, summary.md, PNGs) per policy and
+``DIR/comparison.md`` when there are several (ratios against the first policy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import orjson
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from kiloserve.bench.metrics import Slo, parse_slo
+from kiloserve.bench.report import write_comparison
+from kiloserve.errors import ConfigError
+from kiloserve.launch.config import load_cluster_config
+from kiloserve.sim.faults import FaultEvent, load_faults, parse_fault
+from kiloserve.sim.report import write_sim_report
+from kiloserve.sim.run import SimResult, simulate
+from kiloserve.workload import Workload, load_workload
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument
+    a("-c", "--config", required=True, help="cluster YAML (e.g. examples/cluster-1024.yaml)")
+    a("--workload", required=True, help="workload spec (see docs/workloads.md)")
+    a("--rate", type=float, help="requests/s (synthetic arrivals; rescales a trace)")
+    a("--burstiness", type=float, default=1.0, help="gamma shape of synthetic arrival gaps")
+    a("--duration", type=float, help="seconds of arrivals")
+    a("--num-requests", type=int, help="number of requests")
+    a("--policy", action="append", help="routing policy (repeatable; default: default)")
+    a("--policy-params", help="JSON object of parameters for every --policy")
+    a("--model", help="send every request to this served model (default: all pools, "
+      "weighted by GPUs)")  # fmt: skip
+    a("--seed", type=int, default=0, help="workload, policy RNG and model-draw seed")
+    a("--slo", help="goodput SLOs, e.g. ttft=500ms,tpot=50ms")
+    a("--fault", action="append", default=[], help="t=30,backend=NAME,kind=die|slow|recover"
+      "[,factor=3] (repeatable)")  # fmt: skip
+    a("--faults", type=Path, help="YAML list of faults")
+    a("--scrape-interval", type=float, default=0.2, help="gateway scrape period in s")
+    a("--network-delay", type=float, default=0.0005, help="gateway<->backend one-way delay s")
+    a("--traces-dir", help="folder of the shipped traces")
+    a("--records", action="store_true", help="also write requests.jsonl and routing.csv")
+    a("--out", required=True, type=Path, help="report folder")
+    a("--no-plots", action="store_true", help="skip PNG plots")
+
+
+def run(args: argparse.Namespace) -> int:
+    cluster = load_cluster_config(args.config)
+    policies: list[str] = args.policy or ["default"]
+    if len(set(policies)) != len(policies):
+        raise ConfigError(f"--policy given twice: {policies}")
+    params = _policy_params(args.policy_params)
+    slo = parse_slo(args.slo) if args.slo else None
+    faults = _faults(args)
+    workload = _workload(args)
+    console = Console(stderr=True)
+    summaries: dict[str, dict[str, Any]] = {}
+    records = {}
+    for policy in policies:
+        with _progress(console, policy, workload.num_requests) as on_progress:
+            result = _simulate(args, cluster, workload, policy, params, slo, faults, on_progress)
+        write_sim_report(args.out / policy, result, plot=not args.no_plots)
+        summaries[policy] = result.summary
+        records[policy] = result.records
+        _print_line(console, policy, result)
+    if len(policies) > 1:
+        title = f"simulated policies on {cluster.name}"
+        kept = records if args.records else None
+        write_comparison(args.out, summaries, records=kept, title=title, plot=not args.no_plots)
+    print(args.out)
+    return 0
+
+
+def _simulate(
+    args: argparse.Namespace,
+    cluster: Any,
+    workload: Workload,
+    policy: str,
+    params: dict[str, Any] | None,
+    slo: Slo | None,
+    faults: list[FaultEvent],
+    on_progress: Callable[[int], None],
+) -> SimResult:
+    return simulate(
+        cluster,
+        workload,
+        policy,
+        policy_params=params,
+        seed=args.seed,
+        scrape_interval_s=args.scrape_interval,
+        network_delay_s=args.network_delay,
+        faults=faults,
+        keep_records=args.records,
+        progress=on_progress,
+        slo=slo,
+        model=args.model,
+        traces_dir=args.traces_dir,
+        command=["kiloserve", "sim", *sys.argv[2:]],
+    )
+
+
+def _workload(args: argparse.Namespace) -> Workload:
+    return load_workload(
+        args.workload,
+        seed=args.seed,
+        num_requests=args.num_requests,
+        duration_s=args.duration,
+        rate=args.rate,
+        burstiness=args.burstiness,
+        traces_dir=args.traces_dir,
+        with_prompts=False,
+    )
+
+
+def _policy_params(text: str | None) -> dict[str, Any] | None:
+    if not text:
+        return None
+    try:
+        value = orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise ConfigError(f"--policy-params is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ConfigError("--policy-params must be a JSON object")
+    return value
+
+
+def _faults(args: argparse.Namespace) -> list[FaultEvent]:
+    faults = [parse_fault(text) for text in args.fault]
+    if args.faults is not None:
+        faults += load_faults(args.faults)
+    return sorted(faults, key=lambda f: f.time_s)
+
+
+@contextmanager
+def _progress(console: Console, policy: str, total: int | None) -> Iterator[Callable[[int], None]]:
+    columns = (
+        TextColumn(f"sim {policy}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task(policy, total=total)
+
+        def update(num_done: int) -> None:
+            bar.update(task, completed=num_done)
+
+        yield update
+
+
+def _print_line(console: Console, policy: str, result: SimResult) -> None:
+    s = result.summary
+    ttft, e2e = s["ttft_ms"], s["e2e_ms"]
+    console.print(
+        f"{policy}: {s['requests_ok']} ok, {s['requests_failed']} failed, "
+        f"{s['request_throughput']:.1f} req/s, TTFT p95 {_ms(ttft['p95'])}, "
+        f"E2E p95 {_ms(e2e['p95'])}, P95 std across backends "
+        f"{_ms(s['p95_std_across_backends_ms'])}; {s['simulated_requests']} requests "
+        f"in {s['sim_wall_s']:.1f} s wall ({s['requests_per_wall_s']:.0f}/s)"
+    )
+
+
+def _ms(value: object) -> str:
+    return f"{value:.0f} ms" if isinstance(value, int | float) else "-"

@@ -1,0 +1,93 @@
+"""Parity: the same workload through a live twin cluster + gateway and through the
+simulator, on the same cluster YAML.
+
+Round robin must route the identical sequence; P50 / P95 TTFT and TPOT and the
+request throughput must agree within 10% at a low, non-saturating rate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from kiloserve.bench.client import run_bench
+from kiloserve.bench.metrics import summarize
+from kiloserve.launch.cluster import LocalCluster
+from kiloserve.launch.config import ClusterConfig, parse_cluster_config
+from kiloserve.sim import simulate
+from kiloserve.workload import OpenLoop, Workload, load_workload
+
+MODEL = "Llama-3.1-8B"
+WORKLOAD = "synthetic:input=uniform(256,1024),output=uniform(48,128)"
+RATE = 3.0
+NUM_REQUESTS = 45
+TOLERANCE = 0.10
+# One-way delay of the loopback HTTP path (client -> gateway -> twin and back, aiohttp
+# on both hops), measured on the dev box as ~2-3 ms; see docs/simulator.md.
+LOCAL_HTTP_DELAY_S = 0.0025
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def _cluster() -> ClusterConfig:
+    return parse_cluster_config(
+        {
+            "name": "parity",
+            "gateway": {"port": 0, "policy": "round_robin"},
+            "backends": [
+                {"name": "h100", "gpu": "H100", "model": "llama-3.1-8b"},
+                {"name": "a100", "gpu": "A100", "model": "llama-3.1-8b"},
+            ],
+        }
+    )
+
+
+def _workload(with_prompts: bool) -> Workload:
+    return load_workload(
+        WORKLOAD, seed=3, rate=RATE, num_requests=NUM_REQUESTS, with_prompts=with_prompts
+    )
+
+
+def _live(cfg: ClusterConfig, run_dir: Path) -> tuple[dict[str, object], list[str]]:
+    cluster = LocalCluster(
+        cfg, gateway=True, policy="round_robin", gateway_port=0, run_dir=run_dir,
+        gateway_options={"seed": 0},
+    )  # fmt: skip
+    with cluster:
+        url = cluster.gateway_url
+        assert url is not None
+        result = asyncio.run(run_bench(url, MODEL, _workload(True), OpenLoop()))
+    routing = [r.backend or "?" for r in sorted(result.records, key=lambda r: r.start_s)]
+    return summarize(result), routing
+
+
+def _close(sim: float, live: float) -> bool:
+    return abs(sim - live) <= TOLERANCE * live
+
+
+def test_sim_matches_live_twin_cluster(tmp_path: Path) -> None:
+    cfg = _cluster()
+    live, live_routing = _live(cfg, tmp_path / "logs")
+    result = simulate(
+        cfg, _workload(False), "round_robin", keep_records=True, model=MODEL,
+        network_delay_s=LOCAL_HTTP_DELAY_S,
+    )  # fmt: skip
+    sim = result.summary
+    assert live["requests_ok"] == sim["requests_ok"] == NUM_REQUESTS
+    assert [backend for _, backend in result.routing] == live_routing
+    report = []
+    mismatches = []
+    for key in ("ttft_ms", "tpot_ms"):
+        for stat in ("p50", "p95"):
+            live_v, sim_v = live[key][stat], sim[key][stat]  # type: ignore[index]
+            report.append(f"{key}.{stat}: live {live_v:.1f} sim {sim_v:.1f}")
+            if not _close(sim_v, live_v):
+                mismatches.append(report[-1])
+    live_thr, sim_thr = live["request_throughput"], sim["request_throughput"]
+    report.append(f"throughput: live {live_thr:.3f} sim {sim_thr:.3f}")
+    if not _close(float(sim_thr), float(live_thr)):  # type: ignore[arg-type]
+        mismatches.append(report[-1])
+    print("\n".join(report))
+    assert not mismatches, "; ".join(mismatches)
