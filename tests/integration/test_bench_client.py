@@ -281,3 +281,17 @@ def test_ctrl_c_writes_a_partial_report(server: FakeServer, tmp_path: Path) -> N
     summary = orjson.loads((out / "summary.json").read_bytes())
     assert summary["config"]["stopped_early"] is True and summary["requests_ok"] >= 1
     assert "stopped early" in (out / "summary.md").read_text()
+
+
+def test_report_without_matplotlib_says_so_and_skips_plots(
+    server: FakeServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    from kiloserve.bench import plots
+
+    result = asyncio.run(_bench(server.url, num_requests=4))
+    monkeypatch.setattr(plots, "is_available", lambda: False)
+    with caplog.at_level("WARNING"):
+        paths = write_report(tmp_path, result, summarize(result))
+    assert set(paths) == {"summary.json", "requests.jsonl", "summary.md"}
+    assert "matplotlib is not installed" in caplog.text
