@@ -23,6 +23,7 @@ import orjson
 import pytest
 from aiohttp import web
 
+from kiloserve.bench import plots
 from kiloserve.bench.client import ClientOptions, run_bench
 from kiloserve.bench.metrics import parse_slo, summarize
 from kiloserve.bench.report import load_records, load_summary, write_comparison, write_report
@@ -213,13 +214,15 @@ def test_cli_sweep_finds_knee(server: FakeServer, tmp_path: Path) -> None:
     out = tmp_path / "sweep"
     code = main(["bench", "--url", server.url, "--model", "m", "--workload", SPEC,
                  "--sweep", "concurrency=1,2,4", "--num-requests", "8", "--out", str(out),
-                 "--no-progress"])  # fmt: skip
+                 "--no-progress", "--no-plots"])  # fmt: skip
     assert code == 0
     sweep = orjson.loads((out / "sweep.json").read_bytes())
     assert [p["value"] for p in sweep["points"]] == [1, 2, 4]
     assert sweep["knee"]["value"] in (1, 2, 4)
     assert (out / "concurrency_2" / "summary.json").is_file()
-    assert (out / "sweep.md").is_file()
+    assert (out / "sweep.md").is_file() and not (out / "sweep.png").exists()
+    rows = sweep["points"]
+    assert plots.plot_sweep(tmp_path / "s.png", rows, parameter="concurrency", knee=None)
 
 
 def test_cli_rejects_bad_arguments(server: FakeServer, tmp_path: Path) -> None:
@@ -287,8 +290,6 @@ def test_report_without_matplotlib_says_so_and_skips_plots(
     server: FakeServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:  # fmt: skip
-    from kiloserve.bench import plots
-
     result = asyncio.run(_bench(server.url, num_requests=4))
     monkeypatch.setattr(plots, "is_available", lambda: False)
     with caplog.at_level("WARNING"):

@@ -139,11 +139,11 @@ def _run_sweep(
     points = asyncio.run(
         run_sweep(args.url, args.model, make_workload, parameter, values, args.out,
                   options=options, duration_s=args.duration, slo=slo, command=command,
-                  on_point=on_point)
+                  on_point=on_point, plot=not args.no_plots)
     )  # fmt: skip
     meta = {"url": args.url, "model": args.model, "workload": args.workload, "seed": args.seed,
             "command": command}  # fmt: skip
-    data = write_sweep(args.out, parameter, points, meta)
+    data = write_sweep(args.out, parameter, points, meta, plot=not args.no_plots)
     print((Path(args.out) / "sweep.md").read_text())
     console.print(f"knee: {parameter}={data['knee']['value']:g}; report: {args.out}")
     return 0

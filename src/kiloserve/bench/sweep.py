@@ -93,6 +93,7 @@ async def run_sweep(
     slo: Slo | None = None,
     command: Sequence[str] | None = None,
     on_point: Callable[[float], ProgressHook | None] | None = None,
+    plot: bool = True,
 ) -> list[SweepPoint]:
     """Run one bench per value (``make_workload(index, value)`` builds its workload);
     write each point's report under ``out_dir/<parameter>_<value>/``."""
@@ -107,7 +108,7 @@ async def run_sweep(
         )  # fmt: skip
         point = SweepPoint(value, Path(out_dir) / f"{parameter}_{value:g}")
         point.summary = summarize(result, slo, command=command)
-        write_report(point.out_dir, result, point.summary)
+        write_report(point.out_dir, result, point.summary, plot=plot)
         points.append(point)
     return points
 
@@ -146,7 +147,12 @@ def _gain_per_doubling(a: dict[str, float], b: dict[str, float]) -> float:
 
 
 def write_sweep(
-    out_dir: str | Path, parameter: str, points: Sequence[SweepPoint], meta: dict[str, Any]
+    out_dir: str | Path,
+    parameter: str,
+    points: Sequence[SweepPoint],
+    meta: dict[str, Any],
+    *,
+    plot: bool = True,
 ) -> dict[str, Any]:
     """Write ``sweep.json`` (for the planner), ``sweep.md`` and the latency/throughput plot."""
     out = Path(out_dir)
@@ -157,7 +163,7 @@ def write_sweep(
             "points": rows, "knee": knee}  # fmt: skip
     write_json(out / "sweep.json", data)
     (out / "sweep.md").write_text(sweep_markdown(parameter, rows, knee))
-    if plots.is_available():
+    if plot and plots.is_available():
         knee_thr = knee["output_token_throughput"] if knee["is_saturated"] else None
         plots.plot_sweep(out / "sweep.png", rows, parameter=parameter, knee=knee_thr)
     return data
