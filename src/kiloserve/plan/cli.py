@@ -57,6 +57,7 @@ __all__ = ["add_arguments", "run"]
 logger = logging.getLogger(__name__)
 DEFAULT_NUM_REQUESTS = 300
 SCHEMA_VERSION = 1
+WIDE_COLUMNS = 160  # tables written to a file or pipe are not truncated to 80
 _ISSUE_TEXT = {"heads": "TP vs heads", "weights": "weights", "kv": "KV < 1 sequence"}
 
 
@@ -96,6 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="scaled",
         help="scaled: each size at its planned load (seed 000's table); target: all at --rate",
     )
+    a("--policy", default="default", help="routing policy for --verify / --pareto (default)")
     a(
         "--sim-duration",
         type=float,
@@ -107,7 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else WIDE_COLUMNS)
     model = get_model(args.model)
     gpus = [get_gpu(g) for g in args.gpu] if args.gpu else list_gpus()
     prices = _prices(args.price)
@@ -390,7 +392,12 @@ def _cluster_runs(
     out: dict[str, Any] = {}
     if args.verify:
         out["verify"] = pareto.verify(
-            best, slo, args.workload, seed=args.seed, duration_s=args.sim_duration
+            best,
+            slo,
+            args.workload,
+            seed=args.seed,
+            duration_s=args.sim_duration,
+            policy=args.policy,
         )
         console.print(pareto.verify_text(out["verify"]))
     if args.pareto:
@@ -404,6 +411,7 @@ def _cluster_runs(
             slo=slo,
             seed=args.seed,
             duration_s=args.sim_duration,
+            policy=args.policy,
         )
         out["pareto"] = rows
         console.print(pareto.pareto_table(rows))

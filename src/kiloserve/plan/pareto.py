@@ -29,7 +29,12 @@ from rich.table import Table
 
 from kiloserve.bench.tables import fmt
 from kiloserve.errors import ConfigError
-from kiloserve.plan.capacity import PercentileSlo, deployment_cluster, slo_violations
+from kiloserve.plan.capacity import (
+    DEFAULT_POLICY,
+    PercentileSlo,
+    deployment_cluster,
+    slo_violations,
+)
 from kiloserve.plan.planner import Deployment, cost_per_request
 from kiloserve.sim import simulate
 from kiloserve.workload import load_workload
@@ -61,6 +66,7 @@ def simulate_deployment(
     seed: int = 0,
     slo: PercentileSlo | None = None,
     duration_s: float = DEFAULT_DURATION_S,
+    policy: str = DEFAULT_POLICY,
 ) -> dict[str, Any]:
     """Bench-schema summary of ``num_replicas`` of the deployment at ``rate_rps``."""
     c = deployment.candidate
@@ -81,7 +87,7 @@ def simulate_deployment(
         workload_spec, seed=seed, num_requests=num_requests, rate=rate_rps, with_prompts=False
     )
     per_request = slo.per_request_slo() if slo is not None else None
-    return simulate(cluster, workload, "default", seed=seed, slo=per_request).summary
+    return simulate(cluster, workload, policy, seed=seed, slo=per_request).summary
 
 
 def verify(
@@ -91,6 +97,7 @@ def verify(
     *,
     seed: int = 0,
     duration_s: float = DEFAULT_DURATION_S,
+    policy: str = DEFAULT_POLICY,
 ) -> dict[str, Any]:
     """Simulate the recommended cluster at the target rate; SLO attainment and checks."""
     summary = simulate_deployment(
@@ -101,10 +108,12 @@ def verify(
         seed=seed,
         slo=slo,
         duration_s=duration_s,
+        policy=policy,
     )
     violations = slo_violations(summary, slo)
     return _row(deployment, deployment.num_replicas, deployment.target_rps, summary) | {
         "slo_attainment": summary.get("slo_attainment"),
+        "policy": policy,
         "is_slo_met": not violations,
         "violations": violations,
         "p95_std_across_backends_ms": summary.get("p95_std_across_backends_ms"),
@@ -159,6 +168,7 @@ def pareto_rows(
     slo: PercentileSlo | None = None,
     seed: int = 0,
     duration_s: float = DEFAULT_DURATION_S,
+    policy: str = DEFAULT_POLICY,
 ) -> list[dict[str, Any]]:
     """One simulated row per cluster size, Pareto-optimal rows marked (and whether
     each meets ``slo``, when given)."""
@@ -173,6 +183,7 @@ def pareto_rows(
             workload_spec,
             seed=seed,
             duration_s=duration_s,
+            policy=policy,
         )
         row = _row(deployment, num_replicas, rate, summary)
         if slo is not None:
