@@ -49,6 +49,8 @@ class SimBackend:
         self.is_busy = False
         self.step_end_s = 0.0
         self.busy_s = 0.0
+        self.num_steps = 0  # engine steps committed (started), fused ones included
+        self.num_fused_steps = 0  # steps modelled inside fused runs
         self.last_scrape_key: tuple[int, int, int, int] | None = None  # see scrape_into
         self._pending: StepResult | None = None
         self._run_start_s = 0.0
@@ -82,6 +84,7 @@ class SimBackend:
         if result.num_steps == 0:
             return None  # nothing schedulable (cannot happen with a valid queue)
         self._pending = result
+        self.num_steps += 1
         return self._busy_until(now_s + result.duration_s * self.slowdown)
 
     def _busy_until(self, end_s: float) -> float:
@@ -125,6 +128,8 @@ class SimBackend:
         if core is None:
             raise RuntimeError("commit on a dead backend")  # a simulator bug, never input
         result = core.advance(num_steps)
+        self.num_steps += num_steps
+        self.num_fused_steps += num_steps
         self._pending = result
         self._num_run_steps = 0
         return result

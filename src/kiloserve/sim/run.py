@@ -140,6 +140,11 @@ def simulate(
         "real_time_factor": sim.now_s / wall_s if wall_s > 0 else None,
         "requests_per_wall_s": sim.num_requests / wall_s if wall_s > 0 else None,
         "backend_timeseries": timeseries,
+        "sim_stats": {
+            "num_events": sim.num_events,
+            "num_steps": sum(b.num_steps for b in backends),
+            "num_fused_steps": sum(b.num_fused_steps for b in backends),
+        },
     }
     return SimResult(summary, metrics.routing, metrics.records, timeseries)
 

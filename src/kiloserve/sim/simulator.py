@@ -125,6 +125,10 @@ class Simulator:
     def num_requests(self) -> int:
         return self._counts.num_arrived
 
+    @property
+    def num_events(self) -> int:
+        return self._counts.num_events
+
     def _push_next_arrival(self) -> None:
         spec = next(self._specs, None)
         if spec is None:
@@ -308,6 +312,7 @@ class Simulator:
     def _kill(self, backend: SimBackend, now_s: float) -> list[Event]:
         if not backend.is_alive:
             return []
+        backend.sync(now_s)  # steps already started count as modelled work
         events: list[Event] = []
         arrive_s = now_s + self.delay_s
         for request in backend.die():

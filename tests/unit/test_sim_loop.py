@@ -1,0 +1,123 @@
+"""Event loop ordering and determinism of the simulator."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kiloserve.launch.config import ClusterConfig, load_cluster_config
+from kiloserve.sim import simulate
+from kiloserve.sim.events import Event
+from kiloserve.sim.simulator import Simulator
+from kiloserve.workload import load_workload
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "examples" / "cluster-tiny.yaml"
+WALL_KEYS = ("sim_wall_s", "real_time_factor", "requests_per_wall_s", "versions")
+WORKLOAD = "synthetic:input=uniform(64,600),output=uniform(8,80),prefix_groups=4,prefix_tokens=256"
+
+
+def _cluster() -> ClusterConfig:
+    return load_cluster_config(TINY)
+
+
+def _run(policy: str, seed: int = 0) -> tuple[dict[str, object], list[tuple[str, str]]]:
+    workload = load_workload(WORKLOAD, seed=seed, rate=40, num_requests=150, with_prompts=False)
+    result = simulate(_cluster(), workload, policy, seed=seed, keep_records=True)
+    summary = {k: v for k, v in result.summary.items() if k not in WALL_KEYS}
+    return summary, result.routing
+
+
+class Mark(Event):
+    """Appends its name to ``log`` and schedules ``follow`` (name, time) events."""
+
+    __slots__ = ("follow", "log", "name")
+
+    def __init__(
+        self, time_s: float, name: str, log: list[tuple[float, str]],
+        follow: tuple[tuple[str, float], ...] = (),
+    ) -> None:  # fmt: skip
+        super().__init__(time_s)
+        self.name, self.log, self.follow = name, log, follow
+
+    def handle(self, sim: Simulator) -> list[Event]:
+        self.log.append((sim.now_s, self.name))
+        return [Mark(t, n, self.log) for n, t in self.follow]
+
+
+def _bare_simulator() -> Simulator:
+    from kiloserve.policies.registry import create_policy
+    from kiloserve.sim.cluster import build_backends, build_gateway_config, describe_backends
+    from kiloserve.sim.gateway import ModelPicker, SimGateway
+    from kiloserve.sim.prompts import PromptIds
+    from kiloserve.sim.results import MetricsCollector
+
+    cfg = _cluster()
+    backends = build_backends(cfg)
+    gateway_cfg = build_gateway_config(cfg, describe_backends(cfg), 0.2)
+    gateway = SimGateway(gateway_cfg, create_policy("round_robin"), backends, seed=0)
+    empty = load_workload("synthetic:input=8,output=2", rate=1, num_requests=1)
+    return Simulator(
+        backends, gateway, iter(()), PromptIds(empty),
+        MetricsCollector([b.backend_id for b in backends]),
+        models=ModelPicker({"Llama-3.1-8B": 2.0}, None, 0),
+        network_delay_s=0.0, scrape_interval_s=0.2,
+    )  # fmt: skip
+
+
+def test_events_run_in_time_order_and_ties_in_scheduling_order() -> None:
+    sim = _bare_simulator()
+    log: list[tuple[float, str]] = []
+    sim.push(Mark(2.0, "late", log))
+    sim.push(Mark(1.0, "tie-first", log, follow=(("child", 1.5), ("tie-child", 2.0))))
+    sim.push(Mark(1.0, "tie-second", log))
+    sim.push(Mark(0.5, "early", log))
+    sim.run()
+    marks = [(t, n) for t, n in log]
+    assert marks == [
+        (0.5, "early"),
+        (1.0, "tie-first"),
+        (1.0, "tie-second"),
+        (1.5, "child"),
+        (2.0, "late"),
+        (2.0, "tie-child"),
+    ]
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "random", "default", "power_of_two"])
+def test_same_seed_same_result_within_one_process(policy: str) -> None:
+    first, second = _run(policy), _run(policy)
+    assert first[1] == second[1]
+    assert json.dumps(first[0], sort_keys=True) == json.dumps(second[0], sort_keys=True)
+    assert first[0]["requests_ok"] == 150
+
+
+def test_another_seed_gives_another_random_routing() -> None:
+    assert _run("random", seed=0)[1] != _run("random", seed=1)[1]
+
+
+_CHILD = """
+import hashlib, json, sys
+sys.path.insert(0, {tests!r})
+from test_sim_loop import _run
+summary, routing = _run("default")
+print(hashlib.sha256(json.dumps([summary, routing], sort_keys=True).encode()).hexdigest())
+"""
+
+
+def test_same_result_across_processes_with_different_hash_seeds() -> None:
+    code = _CHILD.format(tests=str(Path(__file__).parent))
+    digests = []
+    for hash_seed in ("0", "4242"):
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+            timeout=60,
+        )  # fmt: skip
+        digests.append(out.stdout.strip().splitlines()[-1])
+    assert digests[0] == digests[1]

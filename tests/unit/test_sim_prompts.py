@@ -1,0 +1,73 @@
+"""Prompt ids derived from request specs keep the workload's prefix structure."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kiloserve.sim.prompts import PromptIds, run_ids
+from kiloserve.workload import load_workload
+
+TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "traces"
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def test_run_ids_are_deterministic_and_distinct() -> None:
+    assert run_ids("k", 40) == run_ids("k", 40)
+    assert run_ids("k", 40)[:10] == run_ids("k", 10)
+    assert _common_prefix(run_ids("k", 40), run_ids("j", 40)) == 0
+    assert all(0 <= t < 2**32 for t in run_ids("x", 1000))
+
+
+def test_prefix_groups_share_exactly_their_prefix() -> None:
+    spec = "synthetic:input=100,output=4,prefix_groups=2,prefix_tokens=64"
+    workload = load_workload(spec, seed=0, rate=5, num_requests=12, with_prompts=False)
+    prompts = PromptIds(workload)
+    specs = list(workload)
+    ids = [prompts.token_ids(s) for s in specs]
+    assert all(len(i) == s.input_tokens == 164 for i, s in zip(ids, specs, strict=True))
+    for a, sa in zip(ids, specs, strict=True):
+        for b, sb in zip(ids, specs, strict=True):
+            if a is b:
+                continue
+            expected = 64 if sa.prefix_group == sb.prefix_group else 0
+            assert _common_prefix(a, b) == expected
+
+
+def test_session_turns_extend_the_previous_prompt() -> None:
+    workload = load_workload("sessions:users=2,turns=3", seed=0, rate=5, num_requests=6,
+                             with_prompts=False)  # fmt: skip
+    prompts = PromptIds(workload)
+    last: dict[str, list[int]] = {}
+    for spec in workload:
+        ids = prompts.token_ids(spec)
+        assert len(ids) == spec.input_tokens
+        session = spec.session_id or ""
+        if session in last:
+            assert ids[: len(last[session])] == last[session]
+        last[session] = ids
+
+
+@pytest.mark.skipif(not TRACES.is_dir(), reason="shipped traces not present")
+def test_mooncake_rows_share_their_hash_id_blocks() -> None:
+    workload = load_workload("mooncake", num_requests=300, with_prompts=False, traces_dir=TRACES)
+    prompts = PromptIds(workload, TRACES)
+    by_group: dict[str, list[int]] = {}
+    shared = 0
+    for spec in workload:
+        ids = prompts.token_ids(spec)
+        assert len(ids) == spec.input_tokens
+        if spec.prefix_group in by_group and spec.input_tokens >= 512:
+            shared += _common_prefix(ids, by_group[spec.prefix_group]) >= 512
+        if spec.prefix_group is not None:
+            by_group.setdefault(spec.prefix_group, ids)
+    assert shared > 0
