@@ -53,6 +53,8 @@ def test_stream_state_timestamps_follow_vllm_conventions() -> None:
     assert record.itl_s == pytest.approx([0.2, 0.3, 0.0])
     assert record.num_chunks == 4
     assert record.output_tokens == 7  # from usage, not the chunk count
+    assert record.e2e_s == pytest.approx(0.6)  # to the last token chunk, as vLLM
+    assert record.tpot_s == pytest.approx(0.5 / 6)
 
 
 def test_stream_state_chat_deltas_and_fallback_count() -> None:

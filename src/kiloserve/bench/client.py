@@ -238,7 +238,8 @@ class _Run:
             record.is_timeout, record.error = True, f"timeout after {self.opts.timeout_s:g} s"
         except (aiohttp.ClientError, OSError, ValueError) as exc:
             record.error = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
-        record.e2e_s = time.perf_counter() - start
+        if record.e2e_s is None or not record.is_ok:  # failures: time until the failure
+            record.e2e_s = time.perf_counter() - start
         if not record.is_ok:
             logger.debug("request %s failed: %s", record.request_id, record.error)
         self._finished(record)

@@ -3,7 +3,8 @@
 * TTFT: request start to the first non-empty chunk.
 * TPOT: ``(E2E - TTFT) / (output_tokens - 1)``, only for requests with > 1 output token.
 * ITL: every gap between consecutive non-empty chunks, pooled over all requests.
-* E2E: request start to the end of the stream.
+* E2E: request start to the last token chunk (vLLM's ``latency``; ``[DONE]`` follows
+  at once), so TPOT is the mean gap between the first and the last token.
 * request / output-token throughput: successful requests (their output tokens) per
   second of run time (first send to last completion).
 * goodput: requests per second meeting *every* given SLO (a request with a single

@@ -64,6 +64,8 @@ class StreamState:
         """Copy the results into ``record``; a stream without ``[DONE]`` failed."""
         record.ttft_s = self.ttft_s
         record.itl_s = self.itl_s
+        if self.num_chunks:  # vLLM's latency: start to the last token chunk
+            record.e2e_s = self._last_s - self._start_s
         record.num_chunks = self.num_chunks
         record.output_tokens = self.usage_tokens if self.usage_tokens else self.num_chunks
         if self.error is None and not self.is_done:
