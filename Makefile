@@ -5,6 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint typecheck unit venv clean
+.PHONY: real-engines
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -29,7 +30,12 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/pytest -q
 
-test: lint typecheck unit
+# Real vLLM (CPU) + llama.cpp for tests/integration/real, cached under .cache/ (or
+# $KILOSERVE_CACHE); never fails: what cannot be installed is skipped, with the reason.
+real-engines:
+	bash scripts/real_engines.sh
+
+test: lint typecheck real-engines unit
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

