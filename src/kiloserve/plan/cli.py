@@ -58,6 +58,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_NUM_REQUESTS = 300
 SCHEMA_VERSION = 1
 WIDE_COLUMNS = 160  # tables written to a file or pipe are not truncated to 80
+PARETO_LOADS = ("scaled", "target")
 _ISSUE_TEXT = {"heads": "TP vs heads", "weights": "weights", "kv": "KV < 1 sequence"}
 
 
@@ -72,38 +73,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--tp", type=int, action="append", default=[], help="TP degree (repeatable; 1,2,4,8)")
     a("--price", help="dollars per GPU-hour, e.g. H100=2.5,A100=1.8 (default: catalog)")
     a("--headroom", type=float, default=DEFAULT_HEADROOM, help="replica headroom (1.25)")
-    a(
-        "--kv-redundancy",
-        type=float,
-        default=DEFAULT_KV_REDUNDANCY,
-        help="redundancy of the KV cross-check (0.25)",
-    )
+    a("--kv-redundancy", type=float, default=DEFAULT_KV_REDUNDANCY, help="KV check (0.25)")
     a("--sweep-file", help="per-replica capacity from a `kiloserve bench --sweep` sweep.json")
-    a(
-        "--num-requests",
-        type=int,
-        default=DEFAULT_NUM_REQUESTS,
-        help="simulated requests per rate probe (300)",
-    )
+    a("--num-requests", type=int, default=DEFAULT_NUM_REQUESTS, help="requests per probe")
     a("--max-probes", type=int, default=DEFAULT_MAX_NUM_PROBES, help="rate probes per candidate")
     a("--max-model-len", type=int, help="context length (default: the model's)")
     a("--seed", type=int, default=0, help="workload seed (0)")
     a("--verify", action="store_true", help="simulate the recommended cluster at --rate")
     a("--pareto", action="store_true", help="cost vs P95 across cluster sizes (with a plot)")
     a("--pareto-sizes", help="GPU counts for --pareto, e.g. 128,256,512,1024")
-    a(
-        "--pareto-load",
-        choices=("scaled", "target"),
-        default="scaled",
-        help="scaled: each size at its planned load (seed 000's table); target: all at --rate",
-    )
+    a("--pareto-load", choices=PARETO_LOADS, default="scaled", help="see docs/planner.md")
     a("--policy", default="default", help="routing policy for --verify / --pareto (default)")
-    a(
-        "--sim-duration",
-        type=float,
-        default=60.0,
-        help="simulated seconds of arrivals per --verify / --pareto run (60)",
-    )
+    a("--sim-duration", type=float, default=60.0, help="seconds of arrivals per cluster run")
     a("--out", default="plan-out", help="output folder for plan.json (plan-out)")
 
 
@@ -137,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
 def _check_args(args: argparse.Namespace) -> None:
     if not args.rate > 0:
         raise ConfigError(f"--rate must be > 0 requests/s, got {args.rate}")
+    if not args.sim_duration > 0:
+        raise ConfigError(f"--sim-duration must be > 0 seconds, got {args.sim_duration}")
     if args.num_requests < 10:
         raise ConfigError(f"--num-requests must be >= 10, got {args.num_requests}")
     bad_tp = [t for t in args.tp if t not in TP_DEGREES]

@@ -20,6 +20,7 @@ warm-up from an empty cluster, so a run should last several E2E latencies.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -52,6 +53,7 @@ __all__ = [
     "write_pareto",
 ]
 
+logger = logging.getLogger(__name__)
 DEFAULT_DURATION_S = 60.0
 MIN_NUM_REQUESTS = 200
 SECONDS_PER_DAY = 86_400.0
@@ -86,6 +88,13 @@ def simulate_deployment(
     workload = load_workload(
         workload_spec, seed=seed, num_requests=num_requests, rate=rate_rps, with_prompts=False
     )
+    if workload.num_requests is not None and workload.num_requests < num_requests:
+        logger.warning(
+            "%s has %d requests, fewer than the %d that %.0f s at %.3g req/s needs: the "
+            "run covers %.0f s (use a synthetic workload or a longer trace)",
+            workload_spec, workload.num_requests, num_requests, duration_s, rate_rps,
+            workload.num_requests / rate_rps,
+        )  # fmt: skip
     per_request = slo.per_request_slo() if slo is not None else None
     return simulate(cluster, workload, policy, seed=seed, slo=per_request).summary
 
