@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kiloserve.sim.prompts import PromptIds, run_ids
+from kiloserve.sim.prompts import IdPool, PromptIds
 from kiloserve.workload import load_workload
 
 TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "traces"
@@ -21,7 +21,8 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def test_run_ids_are_deterministic_and_distinct() -> None:
+def test_run_ids_are_deterministic_prefix_consistent_and_distinct() -> None:
+    run_ids = IdPool().run_ids
     assert run_ids("k", 40) == run_ids("k", 40)
     assert run_ids("k", 40)[:10] == run_ids("k", 10)
     assert _common_prefix(run_ids("k", 40), run_ids("j", 40)) == 0

@@ -14,6 +14,7 @@ the arrival joins the step after the one in progress, as in the twin.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kiloserve.engine.config import EngineConfig
@@ -46,16 +47,18 @@ class SimBackend:
         self.slowdown = model.base_slowdown
         self.generation = 0  # bumped whenever a scheduled step end becomes stale
         self.requests: dict[str, SimRequest] = {}  # by seq id
+        self.awaiting_first_token: dict[str, SimRequest] = {}  # subset of requests
         self.is_busy = False
         self.step_end_s = 0.0
         self.busy_s = 0.0
         self.num_steps = 0  # engine steps committed (started), fused ones included
         self.num_fused_steps = 0  # steps modelled inside fused runs
-        self.last_scrape_key: tuple[int, int, int, int] | None = None  # see scrape_into
+        self.state_version = 0  # bumped whenever the engine's state may have changed
+        self.scraped_version = -1  # state_version at the last successful scrape
         self._pending: StepResult | None = None
         self._run_start_s = 0.0
         self._num_run_steps = 0  # planned fused steps, not yet committed
-        self._last_step_start_s = 0.0  # lower bound on when the run's last step starts
+        self.last_step_start_s = math.inf  # lower bound on the run's last step start
 
     @property
     def is_alive(self) -> bool:
@@ -64,6 +67,16 @@ class SimBackend:
     @property
     def kv_usage(self) -> float:
         return 0.0 if self.core is None else self.core.kv_usage
+
+    def add(self, request: SimRequest) -> None:
+        """Queue the request's sequence (raises ``RequestError`` like the engine)."""
+        core, seq = self.core, request.seq
+        if core is None or seq is None:
+            raise RuntimeError("add on a dead backend or without a sequence")  # a sim bug
+        core.add(seq)
+        self.state_version += 1
+        self.requests[seq.seq_id] = request
+        self.awaiting_first_token[seq.seq_id] = request
 
     # -- stepping --------------------------------------------------------------------
     def start(self, now_s: float) -> float | None:
@@ -78,9 +91,10 @@ class SimBackend:
                 duration_s = core.timer.decode_steps_time_s(_contexts(core), num_steps)
                 self._run_start_s, self._num_run_steps = now_s, num_steps
                 # the last step starts no earlier than one mean step before the end
-                self._last_step_start_s = now_s + duration_s * self.slowdown * (1 - 1 / num_steps)
+                self.last_step_start_s = now_s + duration_s * self.slowdown * (1 - 1 / num_steps)
                 return self._busy_until(now_s + duration_s * self.slowdown)
         result = core.step()
+        self.state_version += 1
         if result.num_steps == 0:
             return None  # nothing schedulable (cannot happen with a valid queue)
         self._pending = result
@@ -105,7 +119,7 @@ class SimBackend:
         """``sync`` only if the run's last step may have started (the only step that
         changes what a scrape reads besides KV usage); otherwise the scrape reads the
         state at the run's start (KV usage lags by the blocks the run has grown)."""
-        if self._num_run_steps and now_s >= self._last_step_start_s:
+        if now_s >= self.last_step_start_s:
             return self.sync(now_s)
         return None
 
@@ -128,6 +142,8 @@ class SimBackend:
         if core is None:
             raise RuntimeError("commit on a dead backend")  # a simulator bug, never input
         result = core.advance(num_steps)
+        self.last_step_start_s = math.inf
+        self.state_version += 1
         self.num_steps += num_steps
         self.num_fused_steps += num_steps
         self._pending = result
@@ -140,6 +156,7 @@ class SimBackend:
         held = list(self.requests.values())
         self.core = None
         self.requests = {}
+        self.awaiting_first_token = {}
         self._reset_work()
         return held
 
@@ -147,13 +164,16 @@ class SimBackend:
         """A fresh engine (empty cache) and the configured slowdown."""
         if self.core is None:
             self.core = EngineCore(self.model.engine_config, self.model.timer)
+            self.state_version += 1
         self.slowdown = self.model.base_slowdown
 
     def _reset_work(self) -> None:
+        self.state_version += 1
         self.generation += 1
         self.is_busy = False
         self._pending = None
         self._num_run_steps = 0
+        self.last_step_start_s = math.inf
 
 
 def _contexts(core: EngineCore) -> list[int]:

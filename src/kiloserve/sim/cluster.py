@@ -20,7 +20,7 @@ from kiloserve.catalog import get_gpu, get_model
 from kiloserve.engine.config import EngineConfig
 from kiloserve.engine.timing import StepTimeModel
 from kiloserve.errors import ConfigError
-from kiloserve.gateway.backends import BackendTable
+from kiloserve.gateway.backends import BackendRecord, BackendTable
 from kiloserve.gateway.config import GatewayConfig, parse_gateway_config
 from kiloserve.gateway.scrape import EngineMetrics
 from kiloserve.launch.cluster import BackendInfo, describe_backend, gateway_config
@@ -111,24 +111,24 @@ def build_gateway_config(
     return parse_gateway_config(data, "simulated gateway")
 
 
-def scrape_into(table: BackendTable, backend: SimBackend, now_s: float) -> None:
+def scrape_into(
+    table: BackendTable, record: BackendRecord, backend: SimBackend, now_s: float
+) -> None:
     """One scrape of ``backend``: its engine's stats, or a failed scrape if it is dead.
 
-    When the engine reports exactly what it reported last time, the table would end
-    in the same state as after ``record_scrape`` with only the scrape time moved, so
-    only the time is moved (the hot path of a large, quiet cluster).
+    If the engine has not changed since the last successful scrape, ``record_scrape``
+    would only move the scrape time, so only that is done (the hot path of a large
+    cluster whose backends sit in long fused decode runs).
     """
     core = backend.core
     if core is None:
-        backend.last_scrape_key = None
         table.record_scrape_failure(backend.backend_id, now_s, "ClientConnectorError")
         return
-    key = (core.num_running, core.num_waiting, core.num_free_blocks, core.prefix_cache_hits_tokens)
-    record = table.record(backend.backend_id)
-    if key == backend.last_scrape_key and record.last_scrape_ok_s is not None:
+    is_same = backend.scraped_version == backend.state_version
+    if is_same and record.last_scrape_ok_s is not None and not record.state.scrape_stale:
         record.last_scrape_ok_s = now_s
         return
-    backend.last_scrape_key = key
+    backend.scraped_version = backend.state_version
     queries = core.prefix_cache_queries_tokens
     metrics = EngineMetrics(
         engine="vllm",

@@ -11,6 +11,8 @@ completion); hooks run in the proxy's order (table, then policy).
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import random
 from collections.abc import Sequence
 
@@ -36,13 +38,16 @@ class ModelPicker:
             valid = ", ".join(gpu_shares)
             raise ConfigError(f"no backend serves model {model!r}; served: {valid}")
         self._models = [model] if model is not None else list(gpu_shares)
-        self._weights = [1.0] if model is not None else list(gpu_shares.values())
+        weights = [1.0] if model is not None else list(gpu_shares.values())
+        total = sum(weights)
+        self._cumulative = list(itertools.accumulate(w / total for w in weights))
         self._rng = random.Random(seed * 7919 + 17)
 
     def pick(self) -> str:
         if len(self._models) == 1:
             return self._models[0]
-        return self._rng.choices(self._models, weights=self._weights)[0]
+        index = bisect.bisect_right(self._cumulative, self._rng.random())
+        return self._models[min(index, len(self._models) - 1)]
 
 
 class SimGateway:
@@ -62,6 +67,7 @@ class SimGateway:
         self.rng = random.Random(seed)
         self.backends = backends
         self._index_of = {b.backend_id: b.index for b in backends}
+        self._records = [self.table.record(b.backend_id) for b in backends]
         self._num_prefix_blocks = cfg.max_prefix_tokens // cfg.block_size
 
     def profile(self, spec: RequestSpec, model: str, seq: EngineSequence) -> RequestInfo:
@@ -115,6 +121,15 @@ class SimGateway:
 
     def scrape(self, now_s: float) -> None:
         """One scrape round over every backend, then the staleness rule."""
-        for backend in self.backends:
-            scrape_into(self.table, backend, now_s)
-        self.table.refresh_staleness(now_s)
+        table = self.table
+        for backend, record in zip(self.backends, self._records, strict=True):
+            if backend.scraped_version == backend.state_version and backend.core is not None:
+                if record.last_scrape_ok_s is not None and not record.state.scrape_stale:
+                    record.last_scrape_ok_s = now_s  # unchanged: the fast path, inlined
+                    continue
+            scrape_into(table, record, backend, now_s)
+        # Every live backend was just scraped, so only failing ones can turn stale.
+        if self.cfg.stale_after_s < self.cfg.scrape_interval_s or not all(
+            b.is_alive for b in self.backends
+        ):
+            table.refresh_staleness(now_s)

@@ -13,11 +13,11 @@ prompts (``kiloserve.workload.prompts``):
   new text (an optional ``system_tokens`` head is shared by every session).
 * anything else: unique text.
 
-Ids of a run of text are ``base + i * stride`` with ``base`` and ``stride`` from a
-blake2b hash of the run's key, so equal keys give equal ids in every process and
-distinct keys collide with probability ~2^-40 (the twin's real text shares a leading
-16-token chunk between distinct blocks with probability 2^-16; both are negligible).
-Ids are opaque ints below 2^32 (the block hash packs them as uint32), not vocabulary ids.
+Ids of a run of text come from a blake2b hash of the run's key (``IdPool``), so equal
+keys give equal ids in every process and distinct keys collide with probability
+~2^-32 per pair (the twin's real text shares a leading 16-token chunk between distinct
+blocks with probability 2^-16; both are negligible). Ids are opaque ints below 2^32,
+not vocabulary ids.
 """
 
 from __future__ import annotations
@@ -31,19 +31,46 @@ from kiloserve.workload.prompts import BLOCK_TOKENS
 from kiloserve.workload.sessions import parse_sessions
 from kiloserve.workload.synthetic import parse_prefix_groups
 
-__all__ = ["PromptIds"]
+__all__ = ["IdPool", "PromptIds", "run_key"]
 
-_MAX_BASE = 1 << 30
-_MAX_STRIDE = 1 << 11
+POOL_SIZE = 1 << 18
+_POOL_BASE = 1 << 31  # above the 32-bit first ids' typical range; all ids < 2^32
 
 
-def run_ids(key: str, num_tokens: int) -> list[int]:
-    """Deterministic ids of ``num_tokens`` tokens of text named ``key``."""
-    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
-    value = int.from_bytes(digest, "little")
-    base = value % _MAX_BASE
-    stride = 1 + (value >> 32) % _MAX_STRIDE
-    return list(range(base, base + num_tokens * stride, stride))
+def run_key(key: str) -> tuple[int, int]:
+    """(first id, offset) of the text named ``key``: a 64-bit blake2b hash, split."""
+    value = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+    return value & 0xFFFF_FFFF, value >> 32
+
+
+class IdPool:
+    """Shared id objects: a run of text is its own first id, then a slice of the pool.
+
+    Slicing copies references instead of creating int objects, so a 1,000-token prompt
+    costs a few microseconds. The first id (32 bits from the key's hash) makes runs of
+    different keys differ from their first token on, so chained block hashes never
+    collide through the shared slice (collision needs equal 32-bit first ids *and*
+    equal offsets). A shorter run of a key is a prefix of a longer one; runs longer
+    than half the pool fall back to fresh ints.
+    """
+
+    def __init__(self, size: int = POOL_SIZE) -> None:
+        self._pool = list(range(_POOL_BASE, _POOL_BASE + size))
+        self._size = size
+
+    def run_ids(self, key: str, num_tokens: int) -> list[int]:
+        """Deterministic ids of ``num_tokens`` tokens of text named ``key``."""
+        if num_tokens <= 0:
+            return []
+        first, offset = run_key(key)
+        rest = num_tokens - 1
+        half = self._size // 2
+        if rest > half:  # beyond the pool: fresh ints (still deterministic)
+            return [first, *range(_POOL_BASE + half, _POOL_BASE + half + rest)]
+        start = offset % half  # independent of the length: a shorter run is a prefix
+        out = self._pool[start : start + rest]
+        out.insert(0, first)
+        return out
 
 
 class PromptIds:
@@ -58,6 +85,8 @@ class PromptIds:
         self._system_tokens = 0
         self._hash_ids: Mapping[int, tuple[int, ...]] = {}
         self._sessions: dict[str, tuple[list[int], int]] = {}
+        self._pool = IdPool()
+        self.run_ids = self._pool.run_ids
         if isinstance(text, str):
             self._configure(text, traces_dir)
 
@@ -88,11 +117,11 @@ class PromptIds:
         return self._unique(spec.request_id, num_tokens)
 
     def _unique(self, name: str, num_tokens: int) -> list[int]:
-        return run_ids(f"u/{self._seed}/{name}", num_tokens)
+        return self.run_ids(f"u/{self._seed}/{name}", num_tokens)
 
     def _group_ids(self, spec: RequestSpec, num_tokens: int) -> list[int]:
         head = min(self._prefix_tokens, num_tokens)
-        ids = run_ids(f"g/{self._seed}/{spec.prefix_group}", head)
+        ids = self.run_ids(f"g/{self._seed}/{spec.prefix_group}", head)
         if num_tokens > head:
             ids += self._unique(spec.request_id, num_tokens - head)
         return ids
@@ -105,7 +134,7 @@ class PromptIds:
             left = num_tokens - len(ids)
             if left <= 0:
                 break
-            ids += run_ids(f"m/{h}", min(BLOCK_TOKENS, left))
+            ids += self.run_ids(f"m/{h}", min(BLOCK_TOKENS, left))
         if len(ids) < num_tokens:
             ids += self._unique(spec.request_id, num_tokens - len(ids))
         return ids
@@ -117,11 +146,11 @@ class PromptIds:
         ids: list[int] = []
         if previous is not None:
             prev_ids, prev_output = previous
-            answer = run_ids(f"a/{self._seed}/{session}/{turn}", prev_output)
+            answer = self.run_ids(f"a/{self._seed}/{session}/{turn}", prev_output)
             if len(prev_ids) + prev_output < num_tokens:
                 ids = prev_ids + answer
         elif self._system_tokens and self._system_tokens < num_tokens:
-            ids = run_ids(f"s/{self._seed}", self._system_tokens)
+            ids = self.run_ids(f"s/{self._seed}", self._system_tokens)
         ids += self._unique(spec.request_id, num_tokens - len(ids))
         if turn + 1 < self._num_turns:
             self._sessions[session] = (ids, spec.output_tokens)

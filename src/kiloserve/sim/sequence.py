@@ -23,7 +23,7 @@ __all__ = ["SimSequence"]
 
 @dataclass(slots=True, eq=False)
 class SimSequence(Sequence):
-    """A ``Sequence`` whose block hashes chain ``hash((prev, *block_tokens))``."""
+    """A ``Sequence`` whose block hashes chain ``hash((prev, block_tokens_tuple))``."""
 
     def _hash_new_blocks(self) -> None:
         size = self.block_size
@@ -32,14 +32,19 @@ class SimSequence(Sequence):
         hashes = self.block_hashes
         prev = hashes[-1] if hashes else 0
         begin = len(hashes) * size
+        num_full_prompt = num_prompt - num_prompt % size
+        if begin < num_full_prompt:  # whole prompt blocks: tuples built in C
+            for block in zip(*[iter(prompt[begin:num_full_prompt])] * size, strict=False):
+                prev = hash((prev, block))
+                hashes.append(prev)
+            begin = num_full_prompt
         last = self.num_tokens - size
         while begin <= last:
             end = begin + size
-            if end <= num_prompt:
-                prev = hash((prev, *prompt[begin:end]))
-            elif begin >= num_prompt:
-                prev = hash((prev, *output[begin - num_prompt : end - num_prompt]))
+            if begin >= num_prompt:
+                block = tuple(output[begin - num_prompt : end - num_prompt])
             else:
-                prev = hash((prev, *prompt[begin:], *output[: end - num_prompt]))
+                block = (*prompt[begin:], *output[: end - num_prompt])
+            prev = hash((prev, block))
             hashes.append(prev)
             begin = end

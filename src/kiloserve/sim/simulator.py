@@ -225,11 +225,10 @@ class Simulator:
             return [AttemptFailed(now_s + self.delay_s, request, CONNECT_ERROR)]
         events = self._sync(backend, now_s)
         try:
-            core.add(seq)
+            backend.add(request)
         except RequestError as exc:
             failure = Failure(exc.status, f"http {exc.status}: {exc.message}", False)
             return [*events, AttemptFailed(now_s + self.delay_s, request, failure)]
-        backend.requests[seq.seq_id] = request
         if not backend.is_busy:
             events += self._start(backend, now_s)
         return events
@@ -259,25 +258,27 @@ class Simulator:
         arrive_s = now_s + self.delay_s
         gap_s = result.duration_s * backend.slowdown / max(1, num_steps)
         self.metrics.add_itl(backend.index, gap_s, result.num_decode_tokens)
-        if num_steps == 1:
-            for seq_id in result.new_tokens:
-                request = requests.get(seq_id)
-                if request is not None and request.first_token_s is None:
+        awaiting = backend.awaiting_first_token
+        if num_steps == 1 and awaiting:  # fused runs only decode: no first tokens there
+            for seq_id, request in list(awaiting.items()):
+                if request.seq is not None and request.seq.output_token_ids:
+                    del awaiting[seq_id]
                     request.first_token_s = now_s
                     events.append(FirstToken(arrive_s, request))
         for seq in result.finished:
-            request = requests.pop(seq.seq_id, None)
-            if request is not None:
-                events.append(RequestDone(arrive_s, request))
+            done = requests.pop(seq.seq_id, None)
+            if done is not None:
+                events.append(RequestDone(arrive_s, done))
         return events
 
     # -- periodic and scheduled ----------------------------------------------------
     def on_scrape(self, now_s: float) -> list[Event]:
         events: list[Event] = []
         for backend in self.backends:
-            end_s = backend.sync_for_scrape(now_s)
-            if end_s is not None:
-                events.append(StepDone(end_s, backend.index, backend.generation))
+            if now_s >= backend.last_step_start_s:  # inlined sync_for_scrape (hot loop)
+                end_s = backend.sync(now_s)
+                if end_s is not None:
+                    events.append(StepDone(end_s, backend.index, backend.generation))
         self.gateway.scrape(now_s)
         self._sample(now_s)
         counts = self._counts

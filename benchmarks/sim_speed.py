@@ -1,0 +1,102 @@
+"""Simulator speed: simulated requests per wall (and CPU) second at 64, 256 and 1,024 GPUs.
+
+The clusters are ``examples/cluster-1024.yaml`` scaled down (every line's count times
+1/16 and 1/4, at least 1), so all three have the same mix of GPU types, models and
+TP degrees. The workload is the Azure conversation trace replayed at a rate
+proportional to the GPU count, at two operating points:
+
+* ``seed``: the issue's reference load, seed 000's 1,024-GPU cluster serving 6.2 M
+  requests a day (72 req/s at 1,024 GPUs, scaled by GPUs);
+* ``busy``: 0.5 req/s per GPU (512 req/s at 1,024 GPUs: TTFT P95 well under a second
+  in simulation, most backends busy).
+
+Each run prints simulated requests per wall second, per CPU second (the process's own
+CPU time, less sensitive to a busy machine) and the real-time factor (simulated
+seconds per wall second), against the target of >= 10,000 simulated requests per
+wall second at 1,024 GPUs. A miss is printed as a miss.
+
+Run: ``.venv/bin/python benchmarks/sim_speed.py [--num-requests N] [--policy P]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from pathlib import Path
+
+from kiloserve.launch.config import ClusterConfig, load_cluster_config, parse_cluster_config
+from kiloserve.sim import simulate
+from kiloserve.workload import load_workload
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET_REQUESTS_PER_WALL_S = 10_000
+SEED_REQUESTS_PER_DAY_1024 = 6_200_000
+LOADS_PER_GPU = {"seed": SEED_REQUESTS_PER_DAY_1024 / 86_400 / 1024, "busy": 0.5}
+SIZES = (64, 256, 1024)
+
+
+def scaled_cluster(base: ClusterConfig, num_gpus: int) -> ClusterConfig:
+    """``base`` with every count scaled so the total is ``num_gpus`` (base is 1,024)."""
+    factor = num_gpus / sum(b.tp * b.count for b in base.backends)
+    data = base.model_dump()
+    for backend in data["backends"]:
+        backend["count"] = max(1, math.floor(backend["count"] * factor))
+    data["name"] = f"{base.name}-{num_gpus}"
+    return parse_cluster_config(data)
+
+
+def run_one(cluster: ClusterConfig, load: str, num_requests: int, policy: str) -> dict[str, float]:
+    num_gpus = sum(b.tp * b.count for b in cluster.backends)
+    rate = LOADS_PER_GPU[load] * num_gpus
+    workload = load_workload("azure-conv", rate=rate, num_requests=num_requests,
+                             with_prompts=False)  # fmt: skip
+    cpu_start = time.process_time()
+    summary = simulate(cluster, workload, policy).summary
+    cpu_s = time.process_time() - cpu_start
+    wall_s = float(summary["sim_wall_s"])
+    return {
+        "gpus": num_gpus,
+        "backends": sum(b.count for b in cluster.backends),
+        "rate": rate,
+        "requests": float(summary["simulated_requests"]),
+        "wall_s": wall_s,
+        "per_wall_s": float(summary["simulated_requests"]) / wall_s,
+        "per_cpu_s": float(summary["simulated_requests"]) / cpu_s,
+        "rtf": float(summary["real_time_factor"]),
+        "ttft_p95_ms": float(summary["ttft_ms"]["p95"]),
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--num-requests", type=int, default=6000, help="requests per run")
+    p.add_argument("--policy", default="round_robin", help="routing policy")
+    p.add_argument("--sizes", default=",".join(map(str, SIZES)), help="GPU counts")
+    p.add_argument("--loads", default="seed,busy", help="operating points: seed,busy")
+    args = p.parse_args()
+    base = load_cluster_config(ROOT / "examples" / "cluster-1024.yaml")
+    print(f"policy {args.policy}, azure-conv trace, {args.num_requests} requests per run")
+    print(f"{'load':<5} {'GPUs':>5} {'backends':>8} {'req/s':>7} {'wall s':>7} "
+          f"{'sim req/wall s':>14} {'sim req/CPU s':>13} {'real-time x':>11} {'TTFT p95':>9}")  # fmt: skip
+    results = {}
+    for load in args.loads.split(","):
+        for size in (int(s) for s in args.sizes.split(",")):
+            r = run_one(scaled_cluster(base, size), load, args.num_requests, args.policy)
+            results[(load, size)] = r
+            print(f"{load:<5} {r['gpus']:>5.0f} {r['backends']:>8.0f} {r['rate']:>7.1f} "
+                  f"{r['wall_s']:>7.1f} {r['per_wall_s']:>14.0f} {r['per_cpu_s']:>13.0f} "
+                  f"{r['rtf']:>11.2f} {r['ttft_p95_ms']:>7.0f}ms")  # fmt: skip
+    for (load, size), r in results.items():
+        if size == 1024:
+            met = "MET" if r["per_wall_s"] >= TARGET_REQUESTS_PER_WALL_S else "NOT MET"
+            print(f"target >= {TARGET_REQUESTS_PER_WALL_S} simulated req/wall s at 1,024 GPUs "
+                  f"({load} load): {r['per_wall_s']:.0f} -> {met}")  # fmt: skip
+            day_min = SEED_REQUESTS_PER_DAY_1024 / r["per_wall_s"] / 60
+            print(f"  one simulated day of 6.2 M requests at this speed: {day_min:.0f} min "
+                  f"(target < 10 min)")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
