@@ -34,6 +34,10 @@ TARGET_REQUESTS_PER_WALL_S = 10_000
 SEED_REQUESTS_PER_DAY_1024 = 6_200_000
 LOADS_PER_GPU = {"seed": SEED_REQUESTS_PER_DAY_1024 / 86_400 / 1024, "busy": 0.5}
 SIZES = (64, 256, 1024)
+HEADER = (
+    f"{'load':<5} {'GPUs':>5} {'backends':>8} {'req/s':>7} {'wall s':>7} "
+    f"{'sim req/wall s':>14} {'sim req/CPU s':>13} {'real-time x':>11} {'TTFT p95':>9}"
+)
 
 
 def scaled_cluster(base: ClusterConfig, num_gpus: int) -> ClusterConfig:
@@ -77,8 +81,7 @@ def main() -> int:
     args = p.parse_args()
     base = load_cluster_config(ROOT / "examples" / "cluster-1024.yaml")
     print(f"policy {args.policy}, azure-conv trace, {args.num_requests} requests per run")
-    print(f"{'load':<5} {'GPUs':>5} {'backends':>8} {'req/s':>7} {'wall s':>7} "
-          f"{'sim req/wall s':>14} {'sim req/CPU s':>13} {'real-time x':>11} {'TTFT p95':>9}")  # fmt: skip
+    print(HEADER)
     results = {}
     for load in args.loads.split(","):
         for size in (int(s) for s in args.sizes.split(",")):

@@ -123,10 +123,11 @@ class SimGateway:
         """One scrape round over every backend, then the staleness rule."""
         table = self.table
         for backend, record in zip(self.backends, self._records, strict=True):
-            if backend.scraped_version == backend.state_version and backend.core is not None:
-                if record.last_scrape_ok_s is not None and not record.state.scrape_stale:
-                    record.last_scrape_ok_s = now_s  # unchanged: the fast path, inlined
-                    continue
+            is_same = backend.scraped_version == backend.state_version
+            is_fresh = record.last_scrape_ok_s is not None and not record.state.scrape_stale
+            if is_same and is_fresh and backend.core is not None:
+                record.last_scrape_ok_s = now_s  # unchanged: the fast path, inlined
+                continue
             scrape_into(table, record, backend, now_s)
         # Every live backend was just scraped, so only failing ones can turn stale.
         if self.cfg.stale_after_s < self.cfg.scrape_interval_s or not all(
