@@ -7,10 +7,15 @@ without a token only loopback clients (127.0.0.0/8, ::1) may call it.
 * ``POST /admin/backends/{name}/drain``   stop routing new requests to a backend
 * ``POST /admin/backends/{name}/undrain`` route to it again
 * ``GET  /admin/config``                  the effective config, secrets redacted
+
+Both GET answers carry ``"deployment": {"version", "config_hash"}`` (S5.5): the
+kiloserve version and a hash of the effective config (the same values as the
+``kiloserve_gateway_info`` metric); each backend row names its models, version and GPU.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import time
@@ -19,11 +24,12 @@ from collections.abc import Awaitable, Callable
 import orjson
 from aiohttp import web
 
+from kiloserve import __version__
 from kiloserve.errors import NotFoundError
 from kiloserve.gateway.backends import BackendTable
 from kiloserve.gateway.config import GatewayConfig
 
-__all__ = ["add_admin_routes", "is_loopback"]
+__all__ = ["add_admin_routes", "config_hash", "deployment_record", "is_loopback"]
 
 _Handler = Callable[[web.Request], Awaitable[web.Response]]
 
@@ -38,6 +44,17 @@ def is_loopback(remote: str | None) -> bool:
         return False
     mapped = getattr(addr, "ipv4_mapped", None)
     return bool(addr.is_loopback or (mapped is not None and mapped.is_loopback))
+
+
+def config_hash(cfg: GatewayConfig) -> str:
+    """16 hex digits of the SHA-256 of the effective config (secrets redacted, keys sorted)."""
+    canonical = orjson.dumps(cfg.redacted(), option=orjson.OPT_SORT_KEYS)
+    return hashlib.sha256(canonical).hexdigest()[:16]
+
+
+def deployment_record(cfg: GatewayConfig) -> dict[str, str]:
+    """The gateway's version and config hash (S5.5)."""
+    return {"version": __version__, "config_hash": config_hash(cfg)}
 
 
 def _error(status: int, message: str, err_type: str) -> web.Response:
@@ -69,12 +86,14 @@ def add_admin_routes(
 ) -> None:
     """Register the ``/admin/`` routes on ``app``."""
     token = cfg.effective_admin_token()
+    deployment = deployment_record(cfg)
 
     async def backends(request: web.Request) -> web.Response:
-        return _json({"policy": policy_name, "backends": table.describe(time.monotonic())})
+        rows = table.describe(time.monotonic())
+        return _json({"policy": policy_name, "deployment": deployment, "backends": rows})
 
     async def config(request: web.Request) -> web.Response:
-        return _json(cfg.redacted())
+        return _json({**cfg.redacted(), "deployment": deployment})
 
     def drain_handler(draining: bool) -> _Handler:
         async def handler(request: web.Request) -> web.Response:

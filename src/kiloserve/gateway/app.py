@@ -23,7 +23,7 @@ import orjson
 from aiohttp import web
 
 from kiloserve.errors import ConfigError, NotFoundError, PayloadTooLargeError, RequestError
-from kiloserve.gateway.admin import add_admin_routes
+from kiloserve.gateway.admin import add_admin_routes, config_hash
 from kiloserve.gateway.backends import BackendTable
 from kiloserve.gateway.config import GatewayConfig
 from kiloserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics
@@ -259,7 +259,7 @@ async def _on_cleanup(app: web.Application) -> None:
 def create_gateway_app(cfg: GatewayConfig, *, policy: Policy | None = None) -> web.Application:
     """Build the gateway app; ``policy`` overrides ``cfg.policy`` (tests, embedding)."""
     table = BackendTable(cfg)
-    gw_metrics = GatewayMetrics(table)
+    gw_metrics = GatewayMetrics(table, config_hash=config_hash(cfg))
     chosen = policy if policy is not None else create_policy_for(cfg)
     ctx = ProxyContext(
         cfg=cfg,

@@ -3,6 +3,11 @@
 Counters and histograms are plain Python on the hot path and exported on collection;
 per-backend gauges (in-flight, health, effective weight, staleness, scrape errors)
 are read from the live backend table only when ``/metrics`` is scraped.
+
+Deployment records (S5.5) are info-style gauges equal to 1:
+``kiloserve_gateway_info{version, config_hash}`` and one
+``kiloserve_backend_info{backend, model, version, gpu}`` per backend and model (models
+as discovered from the backend or configured; ``version`` and ``gpu`` from its config).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from kiloserve import __version__
 from kiloserve.gateway.backends import BackendTable
 
 __all__ = ["CONTENT_TYPE", "GatewayMetrics"]
@@ -73,6 +79,31 @@ class _TableCollector(Collector):
             errors.add_metric([bid], rec.num_scrape_errors_total)
         yield from fams.values()
         yield errors
+
+
+class _InfoCollector(Collector):
+    """Deployment records: the gateway's version and config hash, each backend's model."""
+
+    def __init__(self, table: BackendTable, version: str, config_hash: str) -> None:
+        self._table = table
+        self._labels = [version, config_hash]
+
+    def collect(self) -> Iterator[Any]:
+        gateway = GaugeMetricFamily(
+            PREFIX + "info", "gateway version and config hash (always 1)",
+            labels=["version", "config_hash"],
+        )  # fmt: skip
+        gateway.add_metric(self._labels, 1.0)
+        backends = GaugeMetricFamily(
+            "kiloserve_backend_info", "backend model, version and GPU (always 1)",
+            labels=["backend", "model", "version", "gpu"],
+        )  # fmt: skip
+        for bid in self._table.backend_ids():
+            s = self._table.record(bid).state
+            for model in sorted(s.models) or [""]:
+                backends.add_metric([bid, model, s.version, s.gpu], 1.0)
+        yield gateway
+        yield backends
 
 
 class _Histogram:
@@ -139,7 +170,7 @@ class GatewayMetrics:
     turned into Prometheus families when ``/metrics`` is read.
     """
 
-    def __init__(self, table: BackendTable) -> None:
+    def __init__(self, table: BackendTable, *, config_hash: str = "") -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.requests: dict[tuple[str, ...], int] = {}
         self.retries: dict[tuple[str, ...], int] = {}
@@ -149,6 +180,7 @@ class GatewayMetrics:
         self.e2e: dict[str, _Histogram] = {}
         self.registry.register(_HotPathCollector(self))
         self.registry.register(_TableCollector(table))
+        self.registry.register(_InfoCollector(table, __version__, config_hash))
 
     @staticmethod
     def _inc(counts: dict[tuple[str, ...], int], key: tuple[str, ...]) -> None:
