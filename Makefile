@@ -28,6 +28,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 unit: $(STAMP)
+	bash scripts/ensure_tools.sh
 	$(BIN)/pytest -q
 
 # Real vLLM (CPU) + llama.cpp for tests/integration/real, cached under .cache/ (or
