@@ -120,3 +120,11 @@ def test_plan_bad_slo_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFix
     args = ["plan", *SMALL, "--slo", "tpot_p95=40ms", "--rate", "5", "--out", str(tmp_path)]
     assert main(args) == 2
     assert "must bound ttft or e2e" in capsys.readouterr().err
+
+
+def test_plan_unknown_policy_fails_before_searching(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["plan", *SMALL, *SLO, "--rate", "5", "--policy", "nope", "--out", str(tmp_path)]
+    assert main(args) == 2
+    assert "unknown --policy 'nope'" in capsys.readouterr().err

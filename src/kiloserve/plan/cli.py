@@ -50,6 +50,7 @@ from kiloserve.plan.planner import (
     price_for,
     rank_deployments,
 )
+from kiloserve.policies import available_policies
 from kiloserve.workload import load_workload
 
 __all__ = ["add_arguments", "run"]
@@ -105,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(ledger_table(candidates))
     _print_reasons(console, candidates)
     console.print(deployment_table(deployments, args.rate, str(slo)))
-    _print_no_capacity(console, candidates, capacities)
+    _print_capacity_notes(console, candidates, capacities)
     if deployments and (args.verify or args.pareto):
         plan |= _cluster_runs(args, deployments[0], slo, console)
     out = Path(args.out)
@@ -118,8 +119,12 @@ def run(args: argparse.Namespace) -> int:
 def _check_args(args: argparse.Namespace) -> None:
     if not args.rate > 0:
         raise ConfigError(f"--rate must be > 0 requests/s, got {args.rate}")
+    if args.policy not in available_policies():
+        raise ConfigError(f"unknown --policy {args.policy!r}; valid: {available_policies()}")
     if not args.sim_duration > 0:
         raise ConfigError(f"--sim-duration must be > 0 seconds, got {args.sim_duration}")
+    if args.max_probes < 2:
+        raise ConfigError(f"--max-probes must be >= 2, got {args.max_probes}")
     if args.num_requests < 10:
         raise ConfigError(f"--num-requests must be >= 10, got {args.num_requests}")
     bad_tp = [t for t in args.tp if t not in TP_DEGREES]
@@ -305,16 +310,18 @@ def deployment_table(deployments: Sequence[Deployment], target_rps: float, slo: 
     return table
 
 
-def _print_no_capacity(
+def _print_capacity_notes(
     console: Console, candidates: Sequence[Candidate], capacities: dict[str, CapacityResult]
 ) -> None:
     for cand in candidates:
         cap = capacities.get(cand.name)
-        if cap is not None and cap.rate_rps <= 0:
-            why = cap.points[-1].violations if cap.points else ()
-            console.print(
-                f"{cand.name}: one replica misses the SLO at every probed rate ({'; '.join(why)})"
-            )
+        if cap is None:
+            continue
+        if cap.rate_rps <= 0:
+            why = "; ".join(cap.points[-1].violations) if cap.points else "no probes"
+            console.print(f"{cand.name}: one replica misses the SLO at every probed rate ({why})")
+        elif not cap.is_bracketed and cap.source == "simulated":
+            console.print(f"{cand.name}: no failing rate found: capacity is a lower bound")
 
 
 def _plan_dict(

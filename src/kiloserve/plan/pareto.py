@@ -290,6 +290,9 @@ def write_pareto(out_dir: Path, rows: Sequence[Mapping[str, Any]]) -> Path | Non
     ax.plot(xs, ys, "o-")
     for x, y, r in zip(xs, ys, rows, strict=True):
         ax.annotate(f"{r['num_gpus']} GPUs", (x, y), textcoords="offset points", xytext=(5, 5))
+    finite = [x for x in xs if math.isfinite(x) and x > 0]
+    if finite and max(finite) > 20 * min(finite):
+        ax.set_xscale("log")
     ax.set_xlabel("P95 TTFT (ms)")
     ax.set_ylabel("cost per request ($)")
     ax.set_title("Cost vs P95 across cluster sizes")
