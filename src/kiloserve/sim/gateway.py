@@ -85,9 +85,11 @@ class SimGateway:
 
     def decide(self, info: RequestInfo, now_s: float) -> tuple[int, ...]:
         """Backend indices to try, best first (at most ``retries + 1``)."""
-        decision = self.policy.choose(info, self.table.snapshot(now_s), self.rng)
-        ranked = decision.ranked[: self.cfg.retries + 1]
-        return tuple(self._index_of[bid] for bid in ranked)
+        table = self.table
+        decision = self.policy.choose(info, table.snapshot(now_s), self.rng)
+        pool = table.pool_ids(info.model)  # the gateway's own filter (app._decide)
+        ranked = [b for b in decision.ranked if b in pool and table.is_routable(b)]
+        return tuple(self._index_of[bid] for bid in ranked[: self.cfg.retries + 1])
 
     def dispatch(self, request: SimRequest, now_s: float) -> str:
         backend_id = self.backends[request.backend_index].backend_id
