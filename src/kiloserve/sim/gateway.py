@@ -87,9 +87,15 @@ class SimGateway:
         """Backend indices to try, best first (at most ``retries + 1``)."""
         table = self.table
         decision = self.policy.choose(info, table.snapshot(now_s), self.rng)
-        pool = table.pool_ids(info.model)  # the gateway's own filter (app._decide)
-        ranked = [b for b in decision.ranked if b in pool and table.is_routable(b)]
-        return tuple(self._index_of[bid] for bid in ranked[: self.cfg.retries + 1])
+        pool = table.pool_ids(info.model)  # the gateway's own filter (app._decide),
+        ranked: list[int] = []  # stopping once the proxy's retries are covered
+        num_wanted = self.cfg.retries + 1
+        for backend_id in decision.ranked:
+            if backend_id in pool and table.is_routable(backend_id):
+                ranked.append(self._index_of[backend_id])
+                if len(ranked) == num_wanted:
+                    break
+        return tuple(ranked)
 
     def dispatch(self, request: SimRequest, now_s: float) -> str:
         backend_id = self.backends[request.backend_index].backend_id

@@ -12,6 +12,7 @@ from kiloserve.bench.provenance import config_hash, versions
 from kiloserve.bench.records import RequestRecord
 from kiloserve.bench.stream import WorkloadDigest
 from kiloserve.errors import ConfigError
+from kiloserve.launch.cluster import BackendInfo
 from kiloserve.launch.config import ClusterConfig
 from kiloserve.policies.base import Policy
 from kiloserve.policies.registry import create_policy
@@ -84,69 +85,119 @@ def simulate(
     """
     if scrape_interval_s <= 0 or network_delay_s < 0:
         raise ConfigError("scrape_interval_s must be > 0 and network_delay_s >= 0")
+    opts = _Options(
+        dict(policy_params or {}), seed, scrape_interval_s, network_delay_s, tuple(faults),
+        keep_records, progress, slo, model, fast_forward, traces_dir, command,
+    )  # fmt: skip
     policy_obj = create_policy(policy, policy_params) if isinstance(policy, str) else policy
+    run = _build(cluster, workload, policy_obj, opts)
+    wall_s = run.sim.run()
+    summary = run.metrics.summary(run.metrics.last_completion_s)
+    timeseries = run.series.to_dict([b.backend_id for b in run.sim.backends])
+    _add_backend_means(summary, timeseries)
+    config = _config(cluster, run, policy_obj.name, opts)
+    described = workload.describe()
+    summary |= {
+        "workload": described,
+        "seed": seed,
+        "workload_digest": run.digest.hexdigest(),
+        "config": config,
+        "config_hash": config_hash({"config": config, "workload": described}),
+        "command": list(command) if command is not None else None,
+        "versions": versions(),
+        "backend_timeseries": timeseries,
+        **_sim_keys(run.sim, wall_s),
+    }
+    return SimResult(summary, run.metrics.routing, run.metrics.records, timeseries)
+
+
+@dataclass(frozen=True, slots=True)
+class _Options:
+    """``simulate``'s keyword arguments, carried together."""
+
+    policy_params: dict[str, Any]
+    seed: int
+    scrape_interval_s: float
+    network_delay_s: float
+    faults: tuple[FaultEvent, ...]
+    keep_records: bool
+    progress: Callable[[int], None] | None
+    slo: Slo | None
+    model: str | None
+    fast_forward: bool
+    traces_dir: str | Path | None
+    command: Sequence[str] | None
+
+
+@dataclass(slots=True)
+class _Run:
+    """A built simulation and what it reports into."""
+
+    sim: Simulator
+    metrics: MetricsCollector
+    series: TimeSeries
+    digest: WorkloadDigest
+    infos: list[BackendInfo]
+
+
+def _build(cluster: ClusterConfig, workload: Workload, policy: Policy, opts: _Options) -> _Run:
     infos = describe_backends(cluster)
-    backends = build_backends(cluster, fast_forward=fast_forward)
-    gateway_cfg = build_gateway_config(cluster, infos, scrape_interval_s)
-    gateway = SimGateway(gateway_cfg, policy_obj, backends, seed=seed)
+    backends = build_backends(cluster, fast_forward=opts.fast_forward)
+    gateway_cfg = build_gateway_config(cluster, infos, opts.scrape_interval_s)
+    gateway = SimGateway(gateway_cfg, policy, backends, seed=opts.seed)
     ids = [b.backend_id for b in backends]
-    metrics = MetricsCollector(ids, slo, keep_records=keep_records)
+    metrics = MetricsCollector(ids, opts.slo, keep_records=opts.keep_records)
     series = TimeSeries(len(backends), SAMPLE_INTERVAL_S)
     digest = WorkloadDigest()
     sim = Simulator(
         backends,
         gateway,
         _digesting(iter(workload), digest),
-        PromptIds(workload, traces_dir),
+        PromptIds(workload, opts.traces_dir),
         metrics,
-        models=ModelPicker(dict(pool_gpu_shares(infos)), model, seed),
-        network_delay_s=network_delay_s,
-        scrape_interval_s=scrape_interval_s,
-        faults=faults,
+        models=ModelPicker(dict(pool_gpu_shares(infos)), opts.model, opts.seed),
+        network_delay_s=opts.network_delay_s,
+        scrape_interval_s=opts.scrape_interval_s,
+        faults=opts.faults,
         series=series,
-        progress=progress,
+        progress=opts.progress,
     )
-    wall_s = sim.run()
-    summary = metrics.summary(metrics.last_completion_s)
-    timeseries = series.to_dict(ids)
-    _add_backend_means(summary, timeseries)
-    config = {
+    return _Run(sim, metrics, series, digest, infos)
+
+
+def _config(cluster: ClusterConfig, run: _Run, policy: str, opts: _Options) -> dict[str, Any]:
+    """The run's ``config`` block (what the bench reports call the client config)."""
+    return {
         "url": f"sim://{cluster.name}",
-        "model": model or "all (weighted by GPUs)",
+        "model": opts.model or "all (weighted by GPUs)",
         "endpoint": "completions",
         "arrival": {"mode": "open"},
-        "policy": policy_obj.name,
-        "policy_params": dict(policy_params or {}),
-        "scrape_interval_s": scrape_interval_s,
-        "network_delay_s": network_delay_s,
+        "policy": policy,
+        "policy_params": opts.policy_params,
+        "scrape_interval_s": opts.scrape_interval_s,
+        "network_delay_s": opts.network_delay_s,
         "faults": [
-            f"t={f.time_s},backend={f.backend},kind={f.kind},factor={f.factor}" for f in faults
+            f"t={f.time_s},backend={f.backend},kind={f.kind},factor={f.factor}" for f in opts.faults
         ],
-        "num_backends": len(backends),
-        "num_gpus": sum(i.tp for i in infos),
+        "num_backends": len(run.infos),
+        "num_gpus": sum(i.tp for i in run.infos),
     }
-    described = workload.describe()
-    summary |= {
-        "workload": described,
-        "seed": seed,
-        "workload_digest": digest.hexdigest(),
-        "config": config,
-        "config_hash": config_hash({"config": config, "workload": described}),
-        "command": list(command) if command is not None else None,
-        "versions": versions(),
+
+
+def _sim_keys(sim: Simulator, wall_s: float) -> dict[str, Any]:
+    backends = sim.backends
+    return {
         "sim_wall_s": wall_s,
         "simulated_requests": sim.num_requests,
         "simulated_duration_s": sim.now_s,
         "real_time_factor": sim.now_s / wall_s if wall_s > 0 else None,
         "requests_per_wall_s": sim.num_requests / wall_s if wall_s > 0 else None,
-        "backend_timeseries": timeseries,
         "sim_stats": {
             "num_events": sim.num_events,
             "num_steps": sum(b.num_steps for b in backends),
             "num_fused_steps": sum(b.num_fused_steps for b in backends),
         },
     }
-    return SimResult(summary, metrics.routing, metrics.records, timeseries)
 
 
 def _digesting(specs: Iterator[RequestSpec], digest: WorkloadDigest) -> Iterator[RequestSpec]:
