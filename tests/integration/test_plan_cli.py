@@ -39,6 +39,7 @@ def _sweep(path: Path) -> Path:
 
 def test_plan_simulated_rate_search(tmp_path: Path) -> None:
     args = ["plan", *SMALL, *SLO, "--rate", "40", "--num-requests", "60", "--max-probes", "6"]
+    args += ["--probe-duration", "5"]
     assert main([*args, "--out", str(tmp_path)]) == 0
     plan = _plan(tmp_path)
     assert plan["model"] == "Llama-3.1-8B"

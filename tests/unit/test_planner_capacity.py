@@ -176,3 +176,15 @@ def test_capacity_from_sweep_bad_files(tmp_path: Path) -> None:
     (tmp_path / "row.json").write_text('{"points": [{"value": 1}]}')
     with pytest.raises(ConfigError, match="bad sweep point"):
         capacity_from_sweep(tmp_path / "row.json", SLO)
+
+
+def test_backlog_after_the_last_arrival_is_a_violation() -> None:
+    # e2e P99 is 3 s; arrivals span 60 s, so up to 3 + 6 s of drain is fine.
+    kept_up = _summary(100.0, arrival_span_s=60.0, duration_s=62.5)
+    assert slo_violations(kept_up, SLO) == []
+    queued = _summary(100.0, arrival_span_s=60.0, duration_s=75.0)
+    assert slo_violations(queued, SLO) == [
+        "backlog: 15.0 s to drain after the last arrival (> 9.0 s)"
+    ]
+    # Sweep rows and other summaries without a span are not judged on it.
+    assert slo_violations(_summary(100.0, duration_s=500.0), SLO) == []

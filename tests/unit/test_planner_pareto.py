@@ -67,11 +67,20 @@ def test_cluster_lines_hold_at_most_256_backends() -> None:
 
 def test_simulated_probe_queues_under_load() -> None:
     cluster = deployment_cluster("H100", "llama-3.1-8b", 1, "bf16", 1)
-    probe = replica_probe(
-        cluster, "synthetic:input=fixed(500),output=fixed(50)", num_requests=80, seed=1
-    )
+    workload = "synthetic:input=fixed(500),output=fixed(50)"
+    probe = replica_probe(cluster, workload, num_requests=80, min_duration_s=0.01, seed=1)
     light, heavy = probe(2.0), probe(400.0)
     assert light["requests_ok"] == heavy["requests_ok"] == 80
     assert heavy["ttft_ms"]["p95"] > 3 * light["ttft_ms"]["p95"]
     assert heavy["tpot_ms"]["p95"] > light["tpot_ms"]["p95"]
     assert probe(2.0)["ttft_ms"] == light["ttft_ms"]  # deterministic
+
+
+def test_probe_lasts_at_least_min_duration() -> None:
+    cluster = deployment_cluster("H100", "llama-3.1-8b", 1, "bf16", 1)
+    workload = "synthetic:input=fixed(100),output=fixed(10)"
+    probe = replica_probe(cluster, workload, num_requests=10, min_duration_s=2.0)
+    summary = probe(50.0)  # 10 requests would arrive in 0.2 s: 100 are sent instead
+    assert summary["simulated_requests"] == 100
+    assert 1.0 < summary["arrival_span_s"] < 3.0
+    assert summary["duration_s"] > summary["arrival_span_s"]

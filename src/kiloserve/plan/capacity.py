@@ -35,6 +35,7 @@ from kiloserve.workload import load_workload
 
 __all__ = [
     "DEFAULT_MAX_NUM_PROBES",
+    "DEFAULT_MIN_PROBE_S",
     "DEFAULT_REL_TOLERANCE",
     "CapacityResult",
     "PercentileSlo",
@@ -56,6 +57,8 @@ MIN_RATE_RPS = 1e-4
 FLOOR_IMPROVEMENT = 0.05
 DEFAULT_POLICY = "default"
 MAX_NUM_PER_LINE = 256  # BackendSpec.count's limit
+DEFAULT_MIN_PROBE_S = 30.0
+DRAIN_SLACK = 0.1  # a queue growing 10% of the arrival span is overload
 KEEP_UP_FRACTION = 0.9  # achieved / offered rate above which latency is not queueing
 SLO_METRICS = ("ttft", "tpot", "itl", "e2e")
 SLO_PERCENTILES = (50, 90, 95, 99)
@@ -139,7 +142,23 @@ def slo_violations(summary: Mapping[str, Any], slo: PercentileSlo) -> list[str]:
             out.append(f"{target.key} unknown")
         elif float(value) > target.limit_ms:
             out.append(f"{target.key} {float(value):.0f} ms > {target.limit_ms:g} ms")
-    return out
+    backlog = _backlog_violation(summary)
+    return out if backlog is None else [*out, backlog]
+
+
+def _backlog_violation(summary: Mapping[str, Any]) -> str | None:
+    """A queue that outlives the arrivals: the last completion comes later than the
+    slowest request (E2E P99) plus ``DRAIN_SLACK`` of the arrival span after the last
+    arrival. Only for summaries that carry ``arrival_span_s`` (simulated probes)."""
+    span_s = summary.get("arrival_span_s")
+    e2e_p99_ms = (summary.get("e2e_ms") or {}).get("p99")
+    if span_s is None or e2e_p99_ms is None or "duration_s" not in summary:
+        return None
+    drain_s = float(summary["duration_s"]) - float(span_s)
+    allowed_s = float(e2e_p99_ms) / 1000.0 + DRAIN_SLACK * float(span_s)
+    if drain_s <= allowed_s:
+        return None
+    return f"backlog: {drain_s:.1f} s to drain after the last arrival (> {allowed_s:.1f} s)"
 
 
 def slo_ratio(summary: Mapping[str, Any], slo: PercentileSlo) -> float:
@@ -393,15 +412,25 @@ def deployment_cluster(
 
 
 def replica_probe(
-    cluster: ClusterConfig, workload_spec: str, *, num_requests: int, seed: int = 0
+    cluster: ClusterConfig,
+    workload_spec: str,
+    *,
+    num_requests: int,
+    min_duration_s: float = DEFAULT_MIN_PROBE_S,
+    seed: int = 0,
 ) -> Probe:
-    """A probe: ``num_requests`` of the workload at a rate, simulated on ``cluster``
-    (one backend for the capacity search) with the default policy."""
+    """A probe: the workload at a rate, simulated on ``cluster`` (one backend for the
+    capacity search) with the default policy: ``num_requests`` requests, more if they
+    would arrive within ``min_duration_s`` (a short burst hides a growing queue). The
+    summary gains ``arrival_span_s``, the last arrival time, for the keep-up check."""
 
     def probe(rate_rps: float) -> dict[str, Any]:
+        count = max(num_requests, math.ceil(rate_rps * min_duration_s))
         workload = load_workload(
-            workload_spec, seed=seed, num_requests=num_requests, rate=rate_rps, with_prompts=False
+            workload_spec, seed=seed, num_requests=count, rate=rate_rps, with_prompts=False
         )
-        return simulate(cluster, workload, DEFAULT_POLICY, seed=seed).summary
+        span_s = max((s.arrival_s or 0.0 for s in workload), default=0.0)
+        summary = simulate(cluster, workload, DEFAULT_POLICY, seed=seed).summary
+        return summary | {"arrival_span_s": span_s}
 
     return probe

@@ -28,6 +28,7 @@ from kiloserve.catalog import GpuSpec, get_gpu, get_model, list_gpus
 from kiloserve.errors import ConfigError
 from kiloserve.plan.capacity import (
     DEFAULT_MAX_NUM_PROBES,
+    DEFAULT_MIN_PROBE_S,
     CapacityResult,
     PercentileSlo,
     capacity_from_sweep,
@@ -77,6 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--kv-redundancy", type=float, default=DEFAULT_KV_REDUNDANCY, help="KV check (0.25)")
     a("--sweep-file", help="per-replica capacity from a `kiloserve bench --sweep` sweep.json")
     a("--num-requests", type=int, default=DEFAULT_NUM_REQUESTS, help="requests per probe")
+    a("--probe-duration", type=float, default=DEFAULT_MIN_PROBE_S, help="min seconds per probe")
     a("--max-probes", type=int, default=DEFAULT_MAX_NUM_PROBES, help="rate probes per candidate")
     a("--max-model-len", type=int, help="context length (default: the model's)")
     a("--seed", type=int, default=0, help="workload seed (0)")
@@ -121,6 +123,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--rate must be > 0 requests/s, got {args.rate}")
     if args.policy not in available_policies():
         raise ConfigError(f"unknown --policy {args.policy!r}; valid: {available_policies()}")
+    if not args.probe_duration > 0:
+        raise ConfigError(f"--probe-duration must be > 0 seconds, got {args.probe_duration}")
     if not args.sim_duration > 0:
         raise ConfigError(f"--sim-duration must be > 0 seconds, got {args.sim_duration}")
     if args.max_probes < 2:
@@ -202,7 +206,13 @@ def _search(
     cluster = deployment_cluster(
         cand.gpu.name, cand.model.name, cand.tp, cand.quant, 1, max_model_len=args.max_model_len
     )
-    probe = replica_probe(cluster, args.workload, num_requests=args.num_requests, seed=args.seed)
+    probe = replica_probe(
+        cluster,
+        args.workload,
+        num_requests=args.num_requests,
+        min_duration_s=args.probe_duration,
+        seed=args.seed,
+    )
     guess = initial_rate_guess(timer, mean_in, mean_out)
     result = search_capacity(probe, slo, guess, max_num_probes=args.max_probes)
     logger.info(
