@@ -1,9 +1,11 @@
 """Per-replica capacity at an SLO: a rate search on one simulated backend, or a sweep file.
 
 The SLO is a set of percentile objectives, ``ttft_p95=800ms,tpot_p95=50ms``: a run
-meets it when every named percentile of the bench summary is at or under its limit
-and no request failed. The SLO must bound TTFT or E2E: open-loop overload shows up
-as queueing (TTFT grows without bound) while TPOT stays capped by ``max_num_seqs``.
+meets it when every named percentile of the bench summary is at or under its limit,
+no request failed and (for simulated probes) no backlog outlived the arrivals. The
+SLO must bound TTFT or E2E: open-loop overload shows up as queueing (TTFT grows
+without bound) while TPOT stays capped by ``max_num_seqs``. A probe lasts at least
+``DEFAULT_MIN_PROBE_S`` of arrivals, so a growing queue has time to show.
 
 Rate search (``search_capacity``): probe the first guess; double it while the SLO
 holds (or halve it while it does not) until a passing and a failing rate bracket the
@@ -36,6 +38,7 @@ from kiloserve.workload import load_workload
 __all__ = [
     "DEFAULT_MAX_NUM_PROBES",
     "DEFAULT_MIN_PROBE_S",
+    "DEFAULT_POLICY",
     "DEFAULT_REL_TOLERANCE",
     "CapacityResult",
     "PercentileSlo",
@@ -222,7 +225,7 @@ def probe_point(rate_rps: float, summary: Mapping[str, Any], slo: PercentileSlo)
 class CapacityResult:
     """Highest rate (requests/s) one backend sustains within the SLO, and its evidence.
 
-    ``output_tokens_per_s`` is the output-token throughput measured at that rate;
+    ``output_tokens_per_s`` is the output-token rate at that request rate;
     ``source`` is ``"simulated"`` or ``"sweep:<path>"``; ``is_bracketed`` is False
     when the search ran out of probes before finding a failing (or passing) rate.
     """
@@ -316,7 +319,15 @@ def _result(points: list[ProbePoint], is_bracketed: bool, source: str) -> Capaci
     if not passing:
         return CapacityResult(0.0, 0.0, source, is_bracketed, points)
     best = max(passing, key=lambda p: p.rate_rps)
-    return CapacityResult(best.rate_rps, best.output_token_throughput, source, is_bracketed, points)
+    return CapacityResult(best.rate_rps, _tokens_at_rate(best), source, is_bracketed, points)
+
+
+def _tokens_at_rate(point: ProbePoint) -> float:
+    """Output tokens/s at the probe's rate: tokens per request x rate (a finite run's
+    measured throughput is biased low by the drain after its last arrival)."""
+    if point.request_throughput <= 0:
+        return 0.0
+    return point.output_token_throughput / point.request_throughput * point.rate_rps
 
 
 def capacity_from_sweep(path: str | Path, slo: PercentileSlo) -> CapacityResult:
