@@ -10,6 +10,7 @@
   the gateway's and the twin's real collectors) or a well-known dcgm-exporter /
   node-exporter / cAdvisor name.
 - HAProxy: ``haproxy -c``; Dockerfile: parsed with dockerfile-parse and checked.
+- Deployment records (S5.5): the config hash and the ``*_info`` series.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import REPO
+from kiloserve import __version__
 from kiloserve.engine.metrics import EngineStats, TwinMetrics
+from kiloserve.gateway.admin import config_hash
 from kiloserve.gateway.backends import BackendTable
 from kiloserve.gateway.config import parse_gateway_config
 from kiloserve.gateway.metrics import GatewayMetrics
@@ -363,3 +366,38 @@ def test_dockerfile_parses_and_runs_the_gateway_as_non_root() -> None:
         if ins == "COPY" and not val.startswith("--from"):
             for src in val.split()[:-1]:
                 assert (REPO / src).exists(), src
+
+
+def test_config_hash_tracks_the_config_but_not_the_secret() -> None:
+    base = {"backends": [{"url": "http://127.0.0.1:9", "name": "b"}]}
+    same = config_hash(parse_gateway_config(base))
+    assert same == config_hash(parse_gateway_config(base))
+    assert re.fullmatch(r"[0-9a-f]{16}", same)
+    assert config_hash(parse_gateway_config({**base, "retries": 5})) != same
+    with_token = [config_hash(parse_gateway_config({**base, "admin_token": t})) for t in "xy"]
+    assert with_token[0] == with_token[1] != same  # a token is set, its value is not hashed
+
+
+def test_backend_info_has_one_series_per_backend_and_model() -> None:
+    cfg = parse_gateway_config({"backends": [
+        {"url": "http://127.0.0.1:9", "name": "b", "models": ["m1", "m2"], "gpu": "H100",
+         "version": "v2"},
+        {"url": "http://127.0.0.1:10", "name": "c"},
+    ]})  # fmt: skip
+    text = GatewayMetrics(BackendTable(cfg), config_hash="abc").render().decode()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items())), s.value)
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name.endswith("_info")
+    }
+    info = (("config_hash", "abc"), ("version", __version__))
+    assert samples == {
+        ("kiloserve_gateway_info", info, 1.0),
+        ("kiloserve_backend_info", (("backend", "b"), ("gpu", "H100"), ("model", "m1"),
+                                    ("version", "v2")), 1.0),
+        ("kiloserve_backend_info", (("backend", "b"), ("gpu", "H100"), ("model", "m2"),
+                                    ("version", "v2")), 1.0),
+        ("kiloserve_backend_info", (("backend", "c"), ("gpu", ""), ("model", ""),
+                                    ("version", "")), 1.0),
+    }  # fmt: skip
