@@ -58,7 +58,7 @@ class SimBackend:
         self._pending: StepResult | None = None
         self._run_start_s = 0.0
         self._num_run_steps = 0  # planned fused steps, not yet committed
-        self.last_step_start_s = math.inf  # lower bound on the run's last step start
+        self.last_step_start_s = math.inf  # when the planned run's last step starts
 
     @property
     def is_alive(self) -> bool:
@@ -88,10 +88,11 @@ class SimBackend:
         if self.is_fast_forward:
             num_steps = core.max_fast_forward_steps()
             if num_steps >= 2:
-                duration_s = core.timer.decode_steps_time_s(_contexts(core), num_steps)
+                contexts = _contexts(core)
+                duration_s = core.timer.decode_steps_time_s(contexts, num_steps)
+                before_last_s = core.timer.decode_steps_time_s(contexts, num_steps - 1)
                 self._run_start_s, self._num_run_steps = now_s, num_steps
-                # the last step starts no earlier than one mean step before the end
-                self.last_step_start_s = now_s + duration_s * self.slowdown * (1 - 1 / num_steps)
+                self.last_step_start_s = now_s + before_last_s * self.slowdown
                 return self._busy_until(now_s + duration_s * self.slowdown)
         result = core.step()
         self.state_version += 1
@@ -116,9 +117,9 @@ class SimBackend:
         return result
 
     def sync_for_scrape(self, now_s: float) -> float | None:
-        """``sync`` only if the run's last step may have started (the only step that
-        changes what a scrape reads besides KV usage); otherwise the scrape reads the
-        state at the run's start (KV usage lags by the blocks the run has grown)."""
+        """``sync`` only if the run's last step has started (the only step of a run that
+        changes running / waiting counts); otherwise the scrape reads the state at the
+        run's start (KV usage lags by the blocks the run has grown since)."""
         if now_s >= self.last_step_start_s:
             return self.sync(now_s)
         return None
