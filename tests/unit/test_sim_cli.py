@@ -30,6 +30,7 @@ def test_sim_cli_writes_reports_per_policy_and_a_comparison(tmp_path: Path) -> N
         summary = orjson.loads((folder / "summary.json").read_bytes())
         assert summary["simulated_requests"] == 60
         assert summary["sim_wall_s"] > 0
+        assert 0 < summary["arrival_span_s"] < summary["simulated_duration_s"]
         assert "goodput" in summary
         assert set(summary["backend_timeseries"]["kv_usage"]) >= {"h100-llama-0"}
         assert "## Simulation" in (folder / "summary.md").read_text()

@@ -39,7 +39,8 @@ class SimResult:
     """A simulation's outcome.
 
     ``summary`` is a bench ``summary.json`` dict plus ``sim_wall_s``,
-    ``simulated_requests``, ``simulated_duration_s``, ``real_time_factor`` and
+    ``simulated_requests``, ``simulated_duration_s``, ``arrival_span_s`` (the last
+    arrival), ``real_time_factor``, ``requests_per_wall_s``, ``sim_stats`` and
     ``backend_timeseries`` (downsampled utilisation and KV usage per backend).
     ``routing`` and ``records`` are filled only with ``keep_records``.
     """
@@ -190,6 +191,7 @@ def _sim_keys(sim: Simulator, wall_s: float) -> dict[str, Any]:
         "sim_wall_s": wall_s,
         "simulated_requests": sim.num_requests,
         "simulated_duration_s": sim.now_s,
+        "arrival_span_s": sim.last_arrival_s,
         "real_time_factor": sim.now_s / wall_s if wall_s > 0 else None,
         "requests_per_wall_s": sim.num_requests / wall_s if wall_s > 0 else None,
         "sim_stats": {

@@ -51,6 +51,7 @@ class _Counts:
     num_arrived: int = 0
     num_done: int = 0
     num_events: int = 0
+    last_arrival_s: float = 0.0
     last_busy_s: list[float] = field(default_factory=list)
     last_sample_s: float = 0.0
 
@@ -129,6 +130,10 @@ class Simulator:
     def num_events(self) -> int:
         return self._counts.num_events
 
+    @property
+    def last_arrival_s(self) -> float:
+        return self._counts.last_arrival_s
+
     def _push_next_arrival(self) -> None:
         spec = next(self._specs, None)
         if spec is None:
@@ -144,6 +149,7 @@ class Simulator:
     def on_arrival(self, spec: RequestSpec, now_s: float) -> list[Event]:
         self._push_next_arrival()
         self._counts.num_arrived += 1
+        self._counts.last_arrival_s = now_s
         ids = self.prompts.token_ids(spec)
         seq = EngineSequence(spec.request_id, ids, spec.output_tokens, arrival_s=now_s)
         info = self.gateway.profile(spec, self.models.pick(), seq)
