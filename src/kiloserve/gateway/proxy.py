@@ -63,6 +63,7 @@ class _Call:
     is_stream: bool
     strip_usage: bool
     deadline: float
+    loop: asyncio.AbstractEventLoop
 
 
 @dataclass(slots=True)
@@ -120,7 +121,7 @@ class _Attempt:
         self.ctx = ctx
         self.call = call
         self.backend_id = backend_id
-        self.loop = asyncio.get_running_loop()
+        self.loop = call.loop
         self.started = self.loop.time()
         self.first_token_at: float | None = None
         self.last_chunk_at = self.started
@@ -160,11 +161,6 @@ class _Attempt:
         )  # fmt: skip
 
 
-async def _open(ctx: ProxyContext, call: _Call, att: _Attempt) -> UpstreamResponse:
-    base_url = ctx.table.url_of(att.backend_id)
-    return await ctx.upstream.post(base_url, call.path, call.payload, _upstream_headers(call))
-
-
 async def _try_backend(
     ctx: ProxyContext, call: _Call, att: _Attempt
 ) -> tuple[UpstreamResponse, bytes] | _Failure:
@@ -176,7 +172,9 @@ async def _try_backend(
     resp: UpstreamResponse | None = None
     try:
         async with asyncio.timeout(budget_s):
-            resp = await _open(ctx, call, att)
+            base_url = ctx.table.url_of(att.backend_id)
+            headers = _upstream_headers(call)
+            resp = await ctx.upstream.post(base_url, call.path, call.payload, headers)
             if _retryable_status(resp.status) or resp.status != 200 or not call.is_stream:
                 body = await resp.read()
                 return resp, body
@@ -339,7 +337,7 @@ async def forward(
     user = body.get("user")
     call = _Call(
         request, path, payload, info, user if isinstance(user, str) else None,
-        is_stream, strip_usage, loop.time() + ctx.cfg.request_timeout_s,
+        is_stream, strip_usage, loop.time() + ctx.cfg.request_timeout_s, loop,
     )  # fmt: skip
     candidates = decision.ranked[: ctx.cfg.retries + 1]
     failure = _Failure("deadline_exceeded", status=504)
