@@ -129,3 +129,13 @@ def test_plan_unknown_policy_fails_before_searching(
     args = ["plan", *SMALL, *SLO, "--rate", "5", "--policy", "nope", "--out", str(tmp_path)]
     assert main(args) == 2
     assert "unknown --policy 'nope'" in capsys.readouterr().err
+
+
+def test_plan_dedupes_aliases(tmp_path: Path) -> None:
+    sweep = _sweep(tmp_path / "sweep.json")
+    args = ["plan", *SMALL, "--gpu", "H100-SXM", "--quant", "BF16", "--quant", "bf16", *SLO]
+    assert main([*args, "--rate", "4", "--sweep-file", str(sweep), "--out", str(tmp_path)]) == 0
+    plan = _plan(tmp_path)
+    assert [(c["gpu"], c["tp"], c["quant"]) for c in plan["candidates"]] == [
+        ("H100-SXM", 1, "bf16")
+    ]

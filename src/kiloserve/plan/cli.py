@@ -24,7 +24,7 @@ from rich.table import Table
 
 from kiloserve.bench.report import write_json
 from kiloserve.bench.tables import fmt
-from kiloserve.catalog import GpuSpec, get_gpu, get_model, list_gpus
+from kiloserve.catalog import GpuSpec, get_gpu, get_model, list_gpus, normalize_name
 from kiloserve.errors import ConfigError
 from kiloserve.plan.capacity import (
     DEFAULT_MAX_NUM_PROBES,
@@ -95,12 +95,12 @@ def run(args: argparse.Namespace) -> int:
     _check_args(args)
     console = Console(width=None if sys.stdout.isatty() else WIDE_COLUMNS)
     model = get_model(args.model)
-    gpus = [get_gpu(g) for g in args.gpu] if args.gpu else list_gpus()
+    gpus = list({g.name: g for g in map(get_gpu, args.gpu)}.values()) if args.gpu else list_gpus()
     prices = _prices(args.price)
     slo = parse_percentile_slo(args.slo)
-    candidates = enumerate_candidates(
-        model, gpus, args.quant or ["bf16"], args.tp or TP_DEGREES, args.max_model_len
-    )
+    quants = list(dict.fromkeys(normalize_name(q) for q in args.quant or ["bf16"]))
+    tps = sorted(set(args.tp or TP_DEGREES))
+    candidates = enumerate_candidates(model, gpus, quants, tps, args.max_model_len)
     mean_in, mean_out = _workload_means(args)
     capacities = _capacities(args, candidates, slo, mean_in, mean_out)
     deployments = _deployments(args, candidates, capacities, prices, mean_out)
