@@ -27,6 +27,8 @@ class SimSequence(Sequence):
 
     def _hash_new_blocks(self) -> None:
         size = self.block_size
+        if self.num_tokens < (len(self.block_hashes) + 1) * size:
+            return  # no new full block (most calls, from fused decode runs)
         prompt, output = self.prompt_token_ids, self.output_token_ids
         num_prompt = len(prompt)
         hashes = self.block_hashes
