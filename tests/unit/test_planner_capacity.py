@@ -188,3 +188,18 @@ def test_backlog_after_the_last_arrival_is_a_violation() -> None:
     ]
     # Sweep rows and other summaries without a span are not judged on it.
     assert slo_violations(_summary(100.0, duration_s=500.0), SLO) == []
+
+
+def test_initial_rate_guess_scales_with_work() -> None:
+    from kiloserve.catalog import get_gpu, get_model
+    from kiloserve.engine.timing import StepTimeModel
+    from kiloserve.plan.capacity import initial_rate_guess
+
+    timer = StepTimeModel(get_gpu("H100"), get_model("qwen2-72b"), 4)
+    chat = initial_rate_guess(timer, 1000, 200)
+    # 16 requests decoding together at ~30 ms per step, 200 steps each: ~2.5 req/s.
+    assert 1.0 < chat < 5.0
+    assert initial_rate_guess(timer, 1000, 400) < chat
+    assert initial_rate_guess(timer, 8000, 200) < chat
+    fast = StepTimeModel(get_gpu("H100"), get_model("qwen2-72b"), 8)
+    assert initial_rate_guess(fast, 1000, 200) > chat
