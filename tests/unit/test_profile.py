@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import time
 from pathlib import Path
 
 import orjson
@@ -99,18 +98,13 @@ def test_jwt_subject_rejects_non_jwts(header: str | None) -> None:
     assert jwt_subject(header) is None
 
 
-def test_profile_of_8k_prompt_is_well_under_5ms() -> None:
+def test_profile_of_8k_prompt_counts_and_caps_prefix_hashes() -> None:
+    # Its speed (target well under 5 ms) is measured by benchmarks/profile_speed.py.
     prof = _profiler()
     body = {"model": "m", "messages": [{"role": "user", "content": filler_text(8000)}]}
-    prof.profile("warm", body, {})
-    best_ms = float("inf")
-    for _ in range(5):  # best of 5 rounds: other processes on a busy CI box add noise
-        started = time.perf_counter()
-        for i in range(5):
-            prof.profile(str(i), body, {})
-        best_ms = min(best_ms, (time.perf_counter() - started) / 5 * 1000)
-    # ~2 ms on an idle 2-core box
-    assert best_ms < 5.0, best_ms
+    info = prof.profile("r", body, {})
+    assert info.input_tokens >= 8000
+    assert 0 < len(info.prefix_hashes) <= 8000 // 16
 
 
 def test_real_tokenizer_when_configured(tmp_path: Path) -> None:
