@@ -167,9 +167,11 @@ class LocalCluster:
         self.backends = [
             describe_backend(it, f"http://{host}:{p}") for it, p in zip(items, ports, strict=True)
         ]
+        timeouts_s: list[float] = []
         try:
             for it, port, info in zip(items, ports, self.backends, strict=True):
                 launch = engine_launch(it, host, port, self.run_dir)
+                timeouts_s.append(max(self.start_timeout_s, launch.min_start_timeout_s))
                 child = ChildProcess(
                     name=info.name,
                     argv=launch.argv,
@@ -180,8 +182,10 @@ class LocalCluster:
                 )
                 child.start()
                 self.children.append(child)
-            for child in self.children:
-                child.wait_healthy(self.start_timeout_s)
+            # Children start in parallel, so each wait is bounded by its own timeout.
+            started_s = time.monotonic()
+            for child, timeout_s in zip(self.children, timeouts_s, strict=True):
+                child.wait_healthy(max(1.0, started_s + timeout_s - time.monotonic()))
             if self.with_gateway:
                 self._start_gateway()
         except BaseException:

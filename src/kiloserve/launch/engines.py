@@ -39,6 +39,7 @@ from kiloserve.launch.config import BackendSpec, ExpandedBackend
 
 __all__ = [
     "METRIC_DIALECTS",
+    "REAL_START_TIMEOUT_S",
     "EngineLaunch",
     "MetricDialect",
     "engine_launch",
@@ -49,6 +50,7 @@ __all__ = [
 ]
 
 MetricDialect = Literal["vllm", "sglang", "llamacpp"]
+REAL_START_TIMEOUT_S = 900.0
 # The gateway's ``engine`` field for each cluster ``engine`` (the twin speaks vLLM's).
 METRIC_DIALECTS: dict[str, MetricDialect] = {
     "twin": "vllm",
@@ -66,6 +68,9 @@ class EngineLaunch:
     env: dict[str, str] = field(default_factory=dict)
     health_path: str = "/health"
     dialect: MetricDialect = "vllm"
+    # Real engines load weights (and vLLM profiles memory) before /health answers:
+    # 30-110 s for vLLM's CPU build on a busy 2-core box, minutes for big GPU models.
+    min_start_timeout_s: float = 0.0
 
 
 def twin_argv(item: ExpandedBackend, host: str, port: int) -> list[str]:
@@ -143,7 +148,7 @@ def vllm_launch(item: ExpandedBackend, host: str, port: int, scratch: Path) -> E
         }
     )
     env = _scratch_env(scratch) | dict(spec.env)
-    return EngineLaunch(argv + list(spec.extra_args), env, "/health", "vllm")
+    return EngineLaunch(argv + list(spec.extra_args), env, "/health", "vllm", REAL_START_TIMEOUT_S)
 
 
 def sglang_launch(item: ExpandedBackend, host: str, port: int, scratch: Path) -> EngineLaunch:
@@ -160,7 +165,9 @@ def sglang_launch(item: ExpandedBackend, host: str, port: int, scratch: Path) ->
         }
     )
     env = _scratch_env(scratch) | dict(spec.env)
-    return EngineLaunch(argv + list(spec.extra_args), env, "/health", "sglang")
+    return EngineLaunch(
+        argv + list(spec.extra_args), env, "/health", "sglang", REAL_START_TIMEOUT_S
+    )
 
 
 def llamacpp_launch(item: ExpandedBackend, host: str, port: int, scratch: Path) -> EngineLaunch:
@@ -178,7 +185,7 @@ def llamacpp_launch(item: ExpandedBackend, host: str, port: int, scratch: Path) 
         argv += ["-c", str(spec.max_model_len * num_slots)]
     env = {"TMPDIR": str(scratch)} | dict(spec.env)
     scratch.mkdir(parents=True, exist_ok=True)
-    return EngineLaunch(argv + list(spec.extra_args), env, "/health", "llamacpp")
+    return EngineLaunch(argv + list(spec.extra_args), env, "/health", "llamacpp", 120.0)
 
 
 def engine_launch(item: ExpandedBackend, host: str, port: int, run_dir: Path) -> EngineLaunch:

@@ -53,6 +53,8 @@ def _reexport_root_conftest() -> None:
 _reexport_root_conftest()
 SERVED_MODEL = "tiny"
 MAX_NUM_SEQS = 2
+MAX_NUM_BATCHED_TOKENS = 1024
+NUM_GPU_BLOCKS_B = 5
 START_TIMEOUT_S = 240.0
 # Tests that kill an engine run after every other real-engine test.
 DESTRUCTIVE_MODULES = ("test_real_failover.py",)
@@ -133,9 +135,14 @@ def real_env() -> RealEnv:
     return read_real_env()
 
 
-def vllm_backend(name: str, env: RealEnv, core: int, **extra: Any) -> dict[str, Any]:
+def vllm_backend(
+    name: str, env: RealEnv, core: int, num_gpu_blocks: int | None = None
+) -> dict[str, Any]:
     """A cluster-YAML backend line for one vLLM CPU instance pinned to ``core``."""
-    line: dict[str, Any] = {
+    extra_args = ["--dtype", "bfloat16", "--enforce-eager"]
+    if num_gpu_blocks is not None:
+        extra_args += ["--num-gpu-blocks-override", str(num_gpu_blocks)]
+    return {
         "name": name,
         "engine": "vllm",
         "gpu": "cpu",
@@ -143,16 +150,15 @@ def vllm_backend(name: str, env: RealEnv, core: int, **extra: Any) -> dict[str, 
         "model_path": env.model_dir,
         "python": env.python,
         "max_num_seqs": MAX_NUM_SEQS,
+        "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
         "max_model_len": 512,
         "env": {
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "VLLM_CPU_OMP_THREADS_BIND": str(core),
             "HF_HUB_OFFLINE": "1",
         },
-        "extra_args": ["--dtype", "bfloat16", "--enforce-eager"],
+        "extra_args": extra_args,
     }
-    line.update(extra)
-    return line
 
 
 @pytest.fixture(scope="session")
@@ -168,7 +174,9 @@ def vllm_cluster(
             "gateway": {"port": 0, "policy": "default"},
             "backends": [
                 vllm_backend("vllm-a", real_env, 0),
-                vllm_backend("vllm-b", real_env, 1),
+                # 5 KV blocks of 128 tokens (4 usable): preemption is reachable
+                # (test_real_fidelity.py); every other test fits easily.
+                vllm_backend("vllm-b", real_env, 1, num_gpu_blocks=NUM_GPU_BLOCKS_B),
             ],
         }
     )

@@ -151,6 +151,10 @@ def test_unknown_model_is_404(gateway: openai.OpenAI) -> None:
         gateway.completions.create(model="no-such-model", prompt="x", max_tokens=1)
 
 
+def _num_running(url: str) -> float:
+    return metric_sum(http_text(url + "/metrics"), "vllm:num_requests_running")
+
+
 def _hold(url: str, num_requests: int, max_tokens: int) -> list[threading.Thread]:
     """Long requests straight to one engine (not through the gateway), in threads."""
 
@@ -182,9 +186,10 @@ def test_scraped_queueing_steers_load(vllm_cluster: LocalCluster, gateway: opena
         row = admin_backends(gw)["vllm-a"]
         assert row["num_running"] == MAX_NUM_SEQS
         served = []
-        for _ in range(4):
+        for i in range(4):
+            # Fresh prompts: no prefix affinity to either engine, only load decides.
             raw = gateway.completions.with_raw_response.create(
-                model=SERVED_MODEL, prompt=PROMPT, max_tokens=4, extra_body=NO_EOS
+                model=SERVED_MODEL, prompt=f"steer {i} away", max_tokens=4, extra_body=NO_EOS
             )
             served.append(raw.headers["x-kiloserve-backend"])
         assert served == ["vllm-b"] * 4
@@ -210,6 +215,10 @@ def test_disconnect_aborts_on_engine(vllm_cluster: LocalCluster, gateway: openai
         aborted = metric_sum(page, "vllm:request_success_total", finished_reason="abort")
         return done, aborted, metric_sum(page, "vllm:generation_tokens_total")
 
+    # Earlier tests' last finishes may still be on their way to /metrics: settle first.
+    for url in urls.values():
+        wait_for(lambda url=url: _num_running(url) == 0, 30, "idle engines")
+    time.sleep(0.5)
     before = {name: counters(url) for name, url in urls.items()}
     stream = gateway.completions.with_streaming_response.create(
         model=SERVED_MODEL, prompt=PROMPT, max_tokens=max_tokens, stream=True, extra_body=NO_EOS
@@ -220,11 +229,7 @@ def test_disconnect_aborts_on_engine(vllm_cluster: LocalCluster, gateway: openai
         num_data = sum(1 for _, line in zip(range(6), lines, strict=False) if line)
         assert num_data >= 3
     url = urls[backend]
-    wait_for(
-        lambda: metric_sum(http_text(url + "/metrics"), "vllm:num_requests_running") == 0,
-        10,
-        "the aborted request to leave the batch",
-    )
+    wait_for(lambda: _num_running(url) == 0, 10, "the aborted request to leave the batch")
     time.sleep(0.5)  # let the last iteration stats reach /metrics
     done, aborted, generated = counters(url)
     assert done == before[backend][0], "the request ran to max_tokens: not aborted"
