@@ -203,3 +203,16 @@ def test_initial_rate_guess_scales_with_work() -> None:
     assert initial_rate_guess(timer, 8000, 200) < chat
     fast = StepTimeModel(get_gpu("H100"), get_model("qwen2-72b"), 8)
     assert initial_rate_guess(fast, 1000, 200) > chat
+
+
+def test_search_stops_when_failures_do_not_fall_with_load() -> None:
+    calls: list[float] = []
+
+    def probe(rate: float) -> dict[str, Any]:
+        calls.append(rate)
+        return _summary(100.0, error_rate=1.0, request_throughput=0.0)
+
+    result = search_capacity(probe, SLO, 4.0)
+    assert result.rate_rps == 0.0
+    assert calls == [4.0, 2.0]
+    assert result.points[-1].violations == ("error rate 100.0%",)

@@ -8,8 +8,14 @@ import pytest
 
 from kiloserve.catalog import get_gpu, get_model
 from kiloserve.errors import ConfigError
-from kiloserve.plan.capacity import CapacityResult, deployment_cluster, replica_probe
-from kiloserve.plan.pareto import mark_pareto_front, parse_sizes, rate_for_size
+from kiloserve.plan.capacity import CapacityResult
+from kiloserve.plan.pareto import (
+    deployment_cluster,
+    mark_pareto_front,
+    parse_sizes,
+    rate_for_size,
+    replica_probe,
+)
 from kiloserve.plan.planner import Deployment, enumerate_candidates, plan_deployment
 
 

@@ -4,8 +4,8 @@ The SLO is a set of percentile objectives, ``ttft_p95=800ms,tpot_p95=50ms``: a r
 meets it when every named percentile of the bench summary is at or under its limit,
 no request failed and (for simulated probes) no backlog outlived the arrivals. The
 SLO must bound TTFT or E2E: open-loop overload shows up as queueing (TTFT grows
-without bound) while TPOT stays capped by ``max_num_seqs``. A probe lasts at least
-``DEFAULT_MIN_PROBE_S`` of arrivals, so a growing queue has time to show.
+without bound) while TPOT stays capped by ``max_num_seqs``. The probes themselves
+(simulations of one backend) are built in ``kiloserve.plan.pareto``.
 
 Rate search (``search_capacity``): probe the first guess; double it while the SLO
 holds (or halve it while it does not) until a passing and a failing rate bracket the
@@ -31,24 +31,18 @@ from typing import Any
 
 from kiloserve.bench.metrics import Slo
 from kiloserve.errors import ConfigError
-from kiloserve.launch.config import ClusterConfig, parse_cluster_config
-from kiloserve.sim import simulate
-from kiloserve.workload import load_workload
 
 __all__ = [
     "DEFAULT_MAX_NUM_PROBES",
-    "DEFAULT_MIN_PROBE_S",
-    "DEFAULT_POLICY",
     "DEFAULT_REL_TOLERANCE",
     "CapacityResult",
     "PercentileSlo",
+    "Probe",
     "ProbePoint",
     "SloTarget",
     "capacity_from_sweep",
-    "deployment_cluster",
     "initial_rate_guess",
     "parse_percentile_slo",
-    "replica_probe",
     "search_capacity",
     "slo_ratio",
     "slo_violations",
@@ -58,9 +52,6 @@ DEFAULT_MAX_NUM_PROBES = 12
 DEFAULT_REL_TOLERANCE = 0.05
 MIN_RATE_RPS = 1e-4
 FLOOR_IMPROVEMENT = 0.05
-DEFAULT_POLICY = "default"
-MAX_NUM_PER_LINE = 256  # BackendSpec.count's limit
-DEFAULT_MIN_PROBE_S = 30.0
 DRAIN_SLACK = 0.1  # a queue growing 10% of the arrival span is overload
 KEEP_UP_FRACTION = 0.9  # achieved / offered rate above which latency is not queueing
 SLO_METRICS = ("ttft", "tpot", "itl", "e2e")
@@ -186,6 +177,7 @@ class ProbePoint:
     percentiles_ms: dict[str, float | None]
     violations: tuple[str, ...]
     slo_ratio: float = 0.0  # worst measured / limit over the SLO targets
+    error_rate: float = 0.0
 
     @property
     def is_passing(self) -> bool:
@@ -198,6 +190,7 @@ class ProbePoint:
             "output_token_throughput": self.output_token_throughput,
             **self.percentiles_ms,
             "slo_ratio": self.slo_ratio,
+            "error_rate": self.error_rate,
             "is_passing": self.is_passing,
             "violations": list(self.violations),
         }
@@ -218,6 +211,7 @@ def probe_point(rate_rps: float, summary: Mapping[str, Any], slo: PercentileSlo)
         percentiles_ms=percentiles,
         violations=tuple(slo_violations(summary, slo)),
         slo_ratio=slo_ratio(summary, slo),
+        error_rate=float(summary.get("error_rate", 0.0)),
     )
 
 
@@ -287,7 +281,8 @@ def _bracket(
 
     Halving stops early when it no longer helps: when the replica kept up with the
     offered rate (no queue build-up) and the worst SLO ratio improved by less than
-    ``FLOOR_IMPROVEMENT`` (5%), it misses the SLO even unloaded.
+    ``FLOOR_IMPROVEMENT`` (5%), it misses the SLO even unloaded; when requests fail
+    as often at half the rate, the failures are not load.
     """
     low: float | None = None
     high: float | None = None
@@ -310,6 +305,8 @@ def _is_at_floor(points: list[ProbePoint]) -> bool:
     if len(points) < 2 or points[-2].is_passing:
         return False
     last, prev = points[-1], points[-2]
+    if last.error_rate > 0 and last.error_rate >= prev.error_rate:
+        return True  # failures that do not fall with the load (e.g. requests too long)
     is_keeping_up = last.request_throughput >= KEEP_UP_FRACTION * last.rate_rps
     return is_keeping_up and last.slo_ratio > prev.slo_ratio * (1.0 - FLOOR_IMPROVEMENT)
 
@@ -390,58 +387,3 @@ def initial_rate_guess(
     prefill_s = float(timer.step_time_s([(max(1, int(mean_input_tokens)), 0)], []))
     busy_s = max(1, int(mean_output_tokens)) * step_s + batch_size * prefill_s
     return max(MIN_RATE_RPS, batch_size / busy_s)
-
-
-def deployment_cluster(
-    gpu_name: str,
-    model_name: str,
-    tp: int,
-    quant: str,
-    num_replicas: int,
-    *,
-    price_per_gpu_hour: float | None = None,
-    max_model_len: int | None = None,
-) -> ClusterConfig:
-    """``num_replicas`` identical backends as a cluster config (lines of <= 256)."""
-    if num_replicas < 1:
-        raise ConfigError(f"a cluster needs at least one replica, got {num_replicas}")
-    lines: list[dict[str, Any]] = []
-    for i, start in enumerate(range(0, num_replicas, MAX_NUM_PER_LINE)):
-        line: dict[str, Any] = {
-            "name": f"r{i}",
-            "gpu": gpu_name,
-            "model": model_name,
-            "tp": tp,
-            "quant": quant,
-            "count": min(MAX_NUM_PER_LINE, num_replicas - start),
-            "cost_per_hour": price_per_gpu_hour,
-            "max_model_len": max_model_len,
-        }
-        lines.append(line)
-    data = {"name": "plan", "gateway": {"policy": "default"}, "backends": lines}
-    return parse_cluster_config(data, "<planner>")
-
-
-def replica_probe(
-    cluster: ClusterConfig,
-    workload_spec: str,
-    *,
-    num_requests: int,
-    min_duration_s: float = DEFAULT_MIN_PROBE_S,
-    seed: int = 0,
-) -> Probe:
-    """A probe: the workload at a rate, simulated on ``cluster`` (one backend for the
-    capacity search) with the default policy: ``num_requests`` requests, more if they
-    would arrive within ``min_duration_s`` (a short burst hides a growing queue). The
-    summary gains ``arrival_span_s``, the last arrival time, for the keep-up check."""
-
-    def probe(rate_rps: float) -> dict[str, Any]:
-        count = max(num_requests, math.ceil(rate_rps * min_duration_s))
-        workload = load_workload(
-            workload_spec, seed=seed, num_requests=count, rate=rate_rps, with_prompts=False
-        )
-        span_s = max((s.arrival_s or 0.0 for s in workload), default=0.0)
-        summary = simulate(cluster, workload, DEFAULT_POLICY, seed=seed).summary
-        return summary | {"arrival_span_s": span_s}
-
-    return probe

@@ -20,35 +20,33 @@ from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from kiloserve.bench.report import write_json
-from kiloserve.bench.tables import fmt
-from kiloserve.catalog import GpuSpec, get_gpu, get_model, list_gpus, normalize_name
+from kiloserve.catalog import get_gpu, get_model, list_gpus, normalize_name
 from kiloserve.errors import ConfigError
 from kiloserve.plan.capacity import (
     DEFAULT_MAX_NUM_PROBES,
-    DEFAULT_MIN_PROBE_S,
     CapacityResult,
     PercentileSlo,
     capacity_from_sweep,
-    deployment_cluster,
     initial_rate_guess,
     parse_percentile_slo,
-    replica_probe,
     search_capacity,
 )
+from kiloserve.plan.pareto import DEFAULT_MIN_PROBE_S, deployment_cluster, replica_probe
 from kiloserve.plan.planner import (
     DEFAULT_HEADROOM,
     DEFAULT_KV_REDUNDANCY,
     TP_DEGREES,
     Candidate,
     Deployment,
+    deployment_table,
     enumerate_candidates,
-    min_tp_for_weights,
+    ledger_table,
     parse_prices,
     plan_deployment,
     price_for,
+    print_reasons,
     rank_deployments,
 )
 from kiloserve.policies import available_policies
@@ -61,7 +59,6 @@ DEFAULT_NUM_REQUESTS = 300
 SCHEMA_VERSION = 1
 WIDE_COLUMNS = 160  # tables written to a file or pipe are not truncated to 80
 PARETO_LOADS = ("scaled", "target")
-_ISSUE_TEXT = {"heads": "TP vs heads", "weights": "weights", "kv": "KV < 1 sequence"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -106,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     deployments = _deployments(args, candidates, capacities, prices, mean_out)
     plan = _plan_dict(args, slo, candidates, deployments, capacities, mean_in, mean_out)
     console.print(ledger_table(candidates))
-    _print_reasons(console, candidates)
+    print_reasons(console, candidates)
     console.print(deployment_table(deployments, args.rate, str(slo)))
     _print_capacity_notes(console, candidates, capacities)
     if deployments and (args.verify or args.pareto):
@@ -245,79 +242,6 @@ def _deployments(
         if deployment is not None:
             out.append(deployment)
     return rank_deployments(out)
-
-
-def _rule_of_thumb_tp(gpu: GpuSpec, cand: Candidate) -> int:
-    usable = gpu.memory_bytes * 0.92
-    return min_tp_for_weights(cand.model.weight_bytes(cand.quant), usable)
-
-
-def ledger_table(candidates: Sequence[Candidate]) -> Table:
-    """Per-GPU memory ledger of every candidate (GiB), or why it does not fit."""
-    table = Table(title="Memory ledger per GPU (GiB)")
-    for col in ("GPU", "TP", "quant", "weights", "KV", "reserve", "KV tokens", "S4.4 TP"):
-        table.add_column(col, justify="left" if col in ("GPU", "quant") else "right")
-    table.add_column("fits")
-    for cand in candidates:
-        row = cand.ledger_dict()
-        rule_tp = str(_rule_of_thumb_tp(cand.gpu, cand))
-        if not row["fits"]:
-            cells = ["-", "-", "-", "-", rule_tp, f"no: {_ISSUE_TEXT[str(row['issue'])]}"]
-        else:
-            cells = [
-                fmt(row["weights_gib_per_gpu"]),
-                fmt(row["kv_gib_per_gpu"]),
-                fmt(row["reserve_gib_per_gpu"]),
-                f"{row['kv_tokens']:,}",
-                rule_tp,
-                "yes",
-            ]
-        table.add_row(cand.gpu.name, str(cand.tp), cand.quant, *cells)
-    return table
-
-
-def _print_reasons(console: Console, candidates: Sequence[Candidate]) -> None:
-    for cand in candidates:
-        if cand.reason is not None:
-            console.print(f"  {cand.name}: {cand.reason}", highlight=False)
-
-
-def deployment_table(deployments: Sequence[Deployment], target_rps: float, slo: str) -> Table:
-    """Deployments that meet the SLO, cheapest first."""
-    table = Table(title=f"Deployments for {target_rps:g} req/s at {slo}, cheapest first")
-    cols = (
-        "#",
-        "GPU",
-        "TP",
-        "quant",
-        "req/s/replica",
-        "tok/s/replica",
-        "replicas",
-        "cards",
-        "$/hour",
-        "$/M out tok",
-        "$/request",
-        "KV-check cards",
-    )
-    for col in cols:
-        table.add_column(col, justify="left" if col in ("GPU", "quant") else "right")
-    for i, d in enumerate(deployments, 1):
-        c = d.candidate
-        table.add_row(
-            str(i),
-            c.gpu.name,
-            str(c.tp),
-            c.quant,
-            fmt(d.capacity.rate_rps, 2),
-            fmt(d.capacity.output_tokens_per_s),
-            str(d.num_replicas),
-            str(d.num_cards),
-            fmt(d.cost_per_hour, 2),
-            fmt(d.cost_per_million_output_tokens, 2),
-            f"{d.cost_per_request:.2e}",
-            str(d.kv_check.num_cards),
-        )
-    return table
 
 
 def _print_capacity_notes(

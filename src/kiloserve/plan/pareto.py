@@ -1,5 +1,8 @@
-"""Cluster-level checks of a plan: ``--verify`` and the cost-vs-P95 Pareto table (S4.6).
+"""Simulated runs of a plan: rate-search probes, ``--verify`` and the Pareto table (S4.6).
 
+* ``replica_probe``: one backend (``deployment_cluster`` with one replica) under the
+  workload at a rate, for ``kiloserve.plan.capacity.search_capacity``; at least
+  ``DEFAULT_MIN_PROBE_S`` (30 s) of arrivals, so a growing queue has time to show.
 * ``verify``: simulate the recommended cluster (its replicas, the default policy) at
   the target rate and report SLO attainment (the share of requests meeting every
   limit) and whether the percentile SLO holds.
@@ -30,23 +33,23 @@ from rich.table import Table
 
 from kiloserve.bench.tables import fmt
 from kiloserve.errors import ConfigError
-from kiloserve.plan.capacity import (
-    DEFAULT_POLICY,
-    PercentileSlo,
-    deployment_cluster,
-    slo_violations,
-)
+from kiloserve.launch.config import ClusterConfig, parse_cluster_config
+from kiloserve.plan.capacity import PercentileSlo, Probe, slo_violations
 from kiloserve.plan.planner import Deployment, cost_per_request
 from kiloserve.sim import simulate
 from kiloserve.workload import load_workload
 
 __all__ = [
     "DEFAULT_DURATION_S",
+    "DEFAULT_MIN_PROBE_S",
+    "DEFAULT_POLICY",
+    "deployment_cluster",
     "mark_pareto_front",
     "pareto_rows",
     "pareto_table",
     "parse_sizes",
     "rate_for_size",
+    "replica_probe",
     "simulate_deployment",
     "verify",
     "verify_text",
@@ -55,8 +58,66 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 DEFAULT_DURATION_S = 60.0
+DEFAULT_MIN_PROBE_S = 30.0
+DEFAULT_POLICY = "default"
+MAX_NUM_PER_LINE = 256  # BackendSpec.count's limit
 MIN_NUM_REQUESTS = 200
 SECONDS_PER_DAY = 86_400.0
+
+
+def deployment_cluster(
+    gpu_name: str,
+    model_name: str,
+    tp: int,
+    quant: str,
+    num_replicas: int,
+    *,
+    price_per_gpu_hour: float | None = None,
+    max_model_len: int | None = None,
+) -> ClusterConfig:
+    """``num_replicas`` identical backends as a cluster config (lines of <= 256)."""
+    if num_replicas < 1:
+        raise ConfigError(f"a cluster needs at least one replica, got {num_replicas}")
+    lines: list[dict[str, Any]] = []
+    for i, start in enumerate(range(0, num_replicas, MAX_NUM_PER_LINE)):
+        line: dict[str, Any] = {
+            "name": f"r{i}",
+            "gpu": gpu_name,
+            "model": model_name,
+            "tp": tp,
+            "quant": quant,
+            "count": min(MAX_NUM_PER_LINE, num_replicas - start),
+            "cost_per_hour": price_per_gpu_hour,
+            "max_model_len": max_model_len,
+        }
+        lines.append(line)
+    data = {"name": "plan", "gateway": {"policy": "default"}, "backends": lines}
+    return parse_cluster_config(data, "<planner>")
+
+
+def replica_probe(
+    cluster: ClusterConfig,
+    workload_spec: str,
+    *,
+    num_requests: int,
+    min_duration_s: float = DEFAULT_MIN_PROBE_S,
+    seed: int = 0,
+) -> Probe:
+    """A probe: the workload at a rate, simulated on ``cluster`` (one backend for the
+    capacity search) with the default policy: ``num_requests`` requests, more if they
+    would arrive within ``min_duration_s`` (a short burst hides a growing queue). The
+    summary gains ``arrival_span_s``, the last arrival time, for the keep-up check."""
+
+    def probe(rate_rps: float) -> dict[str, Any]:
+        count = max(num_requests, math.ceil(rate_rps * min_duration_s))
+        workload = load_workload(
+            workload_spec, seed=seed, num_requests=count, rate=rate_rps, with_prompts=False
+        )
+        span_s = max((s.arrival_s or 0.0 for s in workload), default=0.0)
+        summary = simulate(cluster, workload, DEFAULT_POLICY, seed=seed).summary
+        return summary | {"arrival_span_s": span_s}
+
+    return probe
 
 
 def simulate_deployment(

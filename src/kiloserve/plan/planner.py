@@ -23,6 +23,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
+from kiloserve.bench.tables import fmt
 from kiloserve.catalog import GIB, GpuSpec, ModelSpec, normalize_name
 from kiloserve.errors import ConfigError, DoesNotFitError
 from kiloserve.plan.capacity import CapacityResult
@@ -37,12 +41,15 @@ __all__ = [
     "KvCheck",
     "cost_per_million_tokens",
     "cost_per_request",
+    "deployment_table",
     "enumerate_candidates",
     "kv_capacity_check",
+    "ledger_table",
     "min_tp_for_weights",
     "parse_prices",
     "plan_deployment",
     "price_for",
+    "print_reasons",
     "rank_deployments",
     "replicas_needed",
 ]
@@ -307,3 +314,81 @@ def price_for(gpu: GpuSpec, prices: Mapping[str, float]) -> float:
         if key in prices:
             return prices[key]
     return gpu.cost_per_hour
+
+
+# --- tables for the terminal ---------------------------------------------------
+
+_ISSUE_TEXT = {"heads": "TP vs heads", "weights": "weights", "kv": "KV < 1 sequence"}
+
+
+def _rule_of_thumb_tp(gpu: GpuSpec, cand: Candidate) -> int:
+    usable = gpu.memory_bytes * 0.92
+    return min_tp_for_weights(cand.model.weight_bytes(cand.quant), usable)
+
+
+def ledger_table(candidates: Sequence[Candidate]) -> Table:
+    """Per-GPU memory ledger of every candidate (GiB), or why it does not fit."""
+    table = Table(title="Memory ledger per GPU (GiB)")
+    for col in ("GPU", "TP", "quant", "weights", "KV", "reserve", "KV tokens", "S4.4 TP"):
+        table.add_column(col, justify="left" if col in ("GPU", "quant") else "right")
+    table.add_column("fits")
+    for cand in candidates:
+        row = cand.ledger_dict()
+        rule_tp = str(_rule_of_thumb_tp(cand.gpu, cand))
+        if not row["fits"]:
+            cells = ["-", "-", "-", "-", rule_tp, f"no: {_ISSUE_TEXT[str(row['issue'])]}"]
+        else:
+            cells = [
+                fmt(row["weights_gib_per_gpu"]),
+                fmt(row["kv_gib_per_gpu"]),
+                fmt(row["reserve_gib_per_gpu"]),
+                f"{row['kv_tokens']:,}",
+                rule_tp,
+                "yes",
+            ]
+        table.add_row(cand.gpu.name, str(cand.tp), cand.quant, *cells)
+    return table
+
+
+def print_reasons(console: Console, candidates: Sequence[Candidate]) -> None:
+    for cand in candidates:
+        if cand.reason is not None:
+            console.print(f"  {cand.name}: {cand.reason}", highlight=False)
+
+
+def deployment_table(deployments: Sequence[Deployment], target_rps: float, slo: str) -> Table:
+    """Deployments that meet the SLO, cheapest first."""
+    table = Table(title=f"Deployments for {target_rps:g} req/s at {slo}, cheapest first")
+    cols = (
+        "#",
+        "GPU",
+        "TP",
+        "quant",
+        "req/s/replica",
+        "tok/s/replica",
+        "replicas",
+        "cards",
+        "$/hour",
+        "$/M out tok",
+        "$/request",
+        "KV-check cards",
+    )
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("GPU", "quant") else "right")
+    for i, d in enumerate(deployments, 1):
+        c = d.candidate
+        table.add_row(
+            str(i),
+            c.gpu.name,
+            str(c.tp),
+            c.quant,
+            fmt(d.capacity.rate_rps, 2),
+            fmt(d.capacity.output_tokens_per_s),
+            str(d.num_replicas),
+            str(d.num_cards),
+            fmt(d.cost_per_hour, 2),
+            fmt(d.cost_per_million_output_tokens, 2),
+            f"{d.cost_per_request:.2e}",
+            str(d.kv_check.num_cards),
+        )
+    return table
