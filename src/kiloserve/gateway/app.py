@@ -29,6 +29,8 @@ from kiloserve.gateway.config import GatewayConfig
 from kiloserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from kiloserve.gateway.profile import Profiler
 from kiloserve.gateway.proxy import REQUEST_ID_HEADER, ProxyContext, forward
+from kiloserve.gateway.registry.watch import start_registry
+from kiloserve.gateway.resilience import Resilience
 from kiloserve.gateway.scrape import scrape_loop
 from kiloserve.gateway.upstream import UpstreamPool
 from kiloserve.policies.base import Decision, Policy, RequestInfo
@@ -55,6 +57,7 @@ METRICS_KEY = web.AppKey("kiloserve_gateway_metrics", GatewayMetrics)
 _TASKS_KEY = web.AppKey("kiloserve_gateway_tasks", list)
 _SESSION_KEY = web.AppKey("kiloserve_gateway_session", aiohttp.ClientSession)
 _IDS_KEY = web.AppKey("kiloserve_gateway_ids", _RequestIds)
+RESILIENCE_KEY = web.AppKey("kiloserve_gateway_resilience", Resilience)
 _MAX_REQUEST_ID_CHARS = 128
 
 
@@ -121,12 +124,14 @@ def _check_model(model: str, table: BackendTable) -> None:
         )
 
 
-def _decide(ctx: ProxyContext, info: RequestInfo) -> tuple[str, ...]:
-    """The policy's ranked backends, restricted to the model's routable pool."""
+def _decide(ctx: ProxyContext, info: RequestInfo, resilience: Resilience) -> tuple[str, ...]:
+    """The policy's ranked backends, restricted to the model's routable pool (plus a
+    half-open backend's circuit-breaker trial first, see resilience.py)."""
     decision: Decision = ctx.policy.choose(info, ctx.table.snapshot(time.monotonic()), ctx.rng)
     table = ctx.table
     pool = table.pool_ids(info.model)
     ranked = tuple(b for b in decision.ranked if b in pool and table.is_routable(b))
+    ranked = resilience.admit(ranked, pool)
     if ranked:
         ctx.metrics.decision(decision.policy, ranked[0])
     return ranked
@@ -153,7 +158,7 @@ async def _proxy(request: web.Request, path: str) -> web.StreamResponse:
     if ctx.num_in_flight >= ctx.cfg.max_in_flight:
         ctx.metrics.request_done(info.model, "", 503)
         return _unavailable("the gateway is at its in-flight limit; retry later", "overloaded", rid)
-    ranked = _decide(ctx, info)
+    ranked = _decide(ctx, info, request.app[RESILIENCE_KEY])
     if not ranked:
         ctx.metrics.request_done(info.model, "", 503)
         message = f"no healthy backend for model `{info.model}`; retry later"
@@ -240,6 +245,10 @@ async def _on_startup(app: web.Application) -> None:
         tasks.append(asyncio.create_task(_discovery_loop(session, ctx.table, cfg)))
     loop = scrape_loop(session, ctx.table, cfg.scrape_interval_s, cfg.scrape_timeout_s)
     tasks.append(asyncio.create_task(loop))
+    app[RESILIENCE_KEY].start(session, random.Random(cfg.seed))
+    registry_task = start_registry(cfg, ctx.table, ctx.metrics)
+    if registry_task is not None:
+        tasks.append(registry_task)
     logger.info("gateway policy=%s backends=%d", ctx.policy.name, len(ctx.table.backend_ids()))
 
 
@@ -251,6 +260,7 @@ async def _on_cleanup(app: web.Application) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await task
     tasks.clear()
+    await app[RESILIENCE_KEY].close()
     await app[CTX_KEY].upstream.close()
     if _SESSION_KEY in app:
         await app[_SESSION_KEY].close()
@@ -276,6 +286,7 @@ def create_gateway_app(cfg: GatewayConfig, *, policy: Policy | None = None) -> w
     app[METRICS_KEY] = gw_metrics
     app[_TASKS_KEY] = []
     app[_IDS_KEY] = _RequestIds()
+    app[RESILIENCE_KEY] = Resilience(cfg, table, gw_metrics)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)

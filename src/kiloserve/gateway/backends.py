@@ -19,8 +19,8 @@ mutate what they see.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kiloserve.errors import NotFoundError
@@ -52,6 +52,9 @@ class BackendRecord:
     num_scrape_failures: int = 0
     num_scrape_errors_total: int = 0
     last_scrape_error: str = ""
+    is_scrape_healthy: bool = True
+    vetoes: set[str] = field(default_factory=set)  # fault-tolerance reasons to stay unhealthy
+    is_removing: bool = False  # left the registry; deleted once its in-flight requests end
 
     @property
     def is_discovered(self) -> bool:
@@ -89,6 +92,7 @@ class BackendTable:
         self._states: tuple[BackendState, ...] = tuple(r.state for r in self._records.values())
         self._pools: dict[str, tuple[BackendState, ...]] = {}
         self._pool_ids: dict[str, frozenset[str]] = {}
+        self.completion_listeners: list[Callable[[str, Outcome], None]] = []
         self._rebuild_pools()
 
     # -- lookup --------------------------------------------------------------------
@@ -141,6 +145,7 @@ class BackendTable:
             self._rebuild_pools()
 
     def _rebuild_pools(self) -> None:
+        self._states = tuple(r.state for r in self._records.values())
         pools: dict[str, list[BackendState]] = {}
         for s in self._states:
             for m in s.models:
@@ -153,14 +158,74 @@ class BackendTable:
         note_dispatch(self._records[backend_id].state, info)
 
     def on_first_token(self, backend_id: str, info: RequestInfo, ttft_ms: float) -> None:
-        note_first_token(self._records[backend_id].state, info, ttft_ms)
+        rec = self._records.get(backend_id)
+        if rec is not None:
+            note_first_token(rec.state, info, ttft_ms)
 
     def on_complete(
         self, backend_id: str, info: RequestInfo, outcome: Outcome, *, had_first_token: bool
     ) -> None:
-        note_complete(
-            self._records[backend_id].state, info, outcome, had_first_token=had_first_token
-        )
+        rec = self._records.get(backend_id)
+        if rec is None:
+            return
+        note_complete(rec.state, info, outcome, had_first_token=had_first_token)
+        for listener in self.completion_listeners:
+            listener(backend_id, outcome)
+        if rec.is_removing and rec.state.in_flight == 0:
+            self._delete(backend_id)
+
+    # -- dynamic membership (registry) ---------------------------------------------
+    def add_backend(self, cfg: BackendConfig) -> None:
+        """Add a backend, or update the static fields of a known one (same id)."""
+        rec = self._records.get(cfg.backend_id)
+        if rec is None:
+            self._records[cfg.backend_id] = BackendRecord(config=cfg, state=_new_state(cfg))
+            logger.info("backend %s added (%s)", cfg.backend_id, cfg.url)
+        else:
+            s, new = rec.state, _new_state(cfg)
+            s.url, s.models, s.gpu, s.group = new.url, new.models, new.gpu, new.group
+            s.version, s.cost_per_hour, s.weight = new.version, new.cost_per_hour, new.weight
+            rec.config = cfg
+            if rec.is_removing:
+                rec.is_removing, s.draining = False, False
+        self._rebuild_pools()
+
+    def remove_backend(self, backend_id: str) -> None:
+        """Stop routing to a backend; it is deleted once its in-flight requests end."""
+        rec = self._records.get(backend_id)
+        if rec is None:
+            return
+        if rec.state.in_flight == 0:
+            self._delete(backend_id)
+            return
+        rec.is_removing = True
+        rec.state.draining = True
+        logger.info("backend %s removing after %d in-flight", backend_id, rec.state.in_flight)
+
+    def _delete(self, backend_id: str) -> None:
+        del self._records[backend_id]
+        self._rebuild_pools()
+        logger.info("backend %s removed", backend_id)
+
+    # -- fault-tolerance vetoes ----------------------------------------------------
+    def set_veto(self, backend_id: str, reason: str, is_on: bool) -> None:
+        """Hold a backend unhealthy for ``reason`` (active probe, outlier ejection)."""
+        rec = self._records.get(backend_id)
+        if rec is None:
+            return
+        if is_on:
+            rec.vetoes.add(reason)
+        else:
+            rec.vetoes.discard(reason)
+        self._apply_health(rec)
+
+    @staticmethod
+    def _apply_health(rec: BackendRecord) -> None:
+        healthy = rec.is_scrape_healthy and not rec.vetoes
+        if healthy != rec.state.healthy:
+            rec.state.healthy = healthy
+            why = "healthy" if healthy else f"unhealthy ({', '.join(sorted(rec.vetoes)) or 'scrapes'})"
+            logger.info("backend %s %s", rec.state.backend_id, why)
 
     # -- scrapes and health --------------------------------------------------------
     def record_scrape(self, backend_id: str, metrics: EngineMetrics, now_s: float) -> None:
@@ -188,8 +253,9 @@ class BackendTable:
         rec.num_scrape_failures += 1
         rec.num_scrape_errors_total += 1
         rec.last_scrape_error = reason
-        if rec.state.healthy and rec.num_scrape_failures >= self._max_scrape_failures:
-            rec.state.healthy = False
+        if rec.is_scrape_healthy and rec.num_scrape_failures >= self._max_scrape_failures:
+            rec.is_scrape_healthy = False
+            self._apply_health(rec)
             logger.warning(
                 "backend %s unhealthy after %d failed scrapes (%s)",
                 backend_id,
@@ -199,9 +265,10 @@ class BackendTable:
 
     def _scrape_succeeded(self, rec: BackendRecord) -> None:
         rec.num_scrape_failures = 0
-        if not rec.state.healthy:
-            rec.state.healthy = True
-            logger.info("backend %s healthy again", rec.state.backend_id)
+        if not rec.is_scrape_healthy:
+            rec.is_scrape_healthy = True
+            self._apply_health(rec)
+            logger.info("backend %s scrapes healthy again", rec.state.backend_id)
 
     def refresh_staleness(self, now_s: float) -> None:
         for rec in self._records.values():

@@ -68,7 +68,14 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
-    runner = web.AppRunner(create_gateway_app(cfg), handler_cancellation=True, access_log=None)
+    # On stop: close the listening socket, let in-flight requests (streams included)
+    # finish for up to shutdown_grace_s, then cancel what is left and exit.
+    runner = web.AppRunner(
+        create_gateway_app(cfg),
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=cfg.shutdown_grace_s,
+    )
     await runner.setup()
     try:
         site = web.TCPSite(runner, cfg.host, cfg.port)
@@ -78,6 +85,7 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None) -> None:
         logger.info("kiloserve gateway listening on %s", url)
         print(f"kiloserve gateway listening on {url}", flush=True)
         await stop.wait()
+        logger.info("stopping: in-flight requests get up to %.0f s", cfg.shutdown_grace_s)
     finally:
         await runner.cleanup()
 

@@ -22,6 +22,10 @@ from pydantic import (
 )
 
 from kiloserve.errors import ConfigError
+from kiloserve.gateway.demotion import DemotionConfig
+from kiloserve.gateway.health import HealthConfig
+from kiloserve.gateway.outlier import OutlierConfig
+from kiloserve.gateway.registry.settings import RegistryConfig
 
 __all__ = [
     "ADMIN_TOKEN_ENV",
@@ -109,6 +113,12 @@ class GatewayConfig(_Strict):
     seed: int | None = None
     models: dict[str, ModelConfig] = Field(default_factory=dict)
     backends: list[BackendConfig] = Field(default_factory=list)
+    # fault tolerance (docs/fault-tolerance.md)
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    outlier: OutlierConfig = Field(default_factory=OutlierConfig)
+    demotion: DemotionConfig = Field(default_factory=DemotionConfig)
+    registry: RegistryConfig = Field(default_factory=RegistryConfig)
+    shutdown_grace_s: float = Field(default=30.0, ge=0.0)
 
     @model_validator(mode="after")
     def _unique_backend_ids(self) -> GatewayConfig:

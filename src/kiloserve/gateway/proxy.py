@@ -264,7 +264,19 @@ async def _relay(
             "request_id=%s backend=%s stream ended early (status %d)",
             call.info.request_id, att.backend_id, status,
         )  # fmt: skip
+        if status != _CLIENT_GONE:
+            await _stream_error_event(out, status)
     return out, status
+
+
+async def _stream_error_event(out: web.StreamResponse, status: int) -> None:
+    """End a cut stream with an explicit SSE error event, so no client waits on it."""
+    message = "the backend failed mid-stream" if status == 502 else "the stream timed out"
+    event = b"data: " + _error_body(message, "upstream_error", status) + b"\n\n"
+    try:
+        await out.write(event)
+    except (ConnectionResetError, OSError):
+        return
 
 
 async def _serve(

@@ -203,8 +203,19 @@ async def scrape_loop(
     def scrape(backend_id: str) -> Callable[[], Awaitable[None]]:
         return lambda: _scrape_backend(session, table, backend_id, timeout_s)
 
+    loops: dict[str, asyncio.Task[None]] = {}
+
     async def refresh() -> None:
         table.refresh_staleness(time.monotonic())
+        ids = set(table.backend_ids())  # backends come and go with a registry
+        for b in ids - loops.keys():
+            loops[b] = asyncio.create_task(_every(interval_s, f"scrape of {b}", scrape(b)))
+        for b in loops.keys() - ids:
+            loops.pop(b).cancel()
 
-    loops = [_every(interval_s, f"scrape of {b}", scrape(b)) for b in table.backend_ids()]
-    await asyncio.gather(*loops, _every(interval_s, "staleness refresh", refresh))
+    try:
+        await _every(interval_s, "staleness refresh", refresh)
+    finally:
+        for task in loops.values():
+            task.cancel()
+        await asyncio.gather(*loops.values(), return_exceptions=True)

@@ -1,0 +1,124 @@
+"""Per-backend capacity for admission (S2.2, S2.3): KV budget and in-flight caps.
+
+Pure functions of a ``BackendState`` plus the gateway's own reservations; no clock,
+no I/O, so the simulator can reuse them.
+
+* A request's memory need (S2.2) is its peak KV footprint: ``input + output`` tokens.
+  With a known KV size per token that is ``tokens * kv_bytes_per_token`` bytes;
+  without one the seed-000 calibration is the fallback:
+  ``input * 200 KB + output * 1500 KB``.
+* A backend's used KV is the larger of what its engine reports
+  (``kv_usage * kv_capacity_tokens``) and what the gateway has reserved for the
+  requests it sent there and that are still in flight (the engine's figure lags by a
+  scrape interval; the reservation does not).
+* The in-flight cap per backend is ``max_in_flight_per_backend``, reduced to
+  ``reduced_max_in_flight`` while the backend is over its KV budget or its scraped KV
+  usage is above ``kv_high_watermark`` (S2.3, per backend, not global).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kiloserve.policies.base import BackendState
+
+__all__ = [
+    "SEED_INPUT_KB_PER_TOKEN",
+    "SEED_OUTPUT_KB_PER_TOKEN",
+    "CapacityConfig",
+    "Room",
+    "has_room",
+    "in_flight_cap",
+    "memory_need_bytes",
+    "memory_need_tokens",
+]
+
+SEED_INPUT_KB_PER_TOKEN = 200
+SEED_OUTPUT_KB_PER_TOKEN = 1500
+
+
+class CapacityConfig(BaseModel):
+    """How much each backend may hold (the ``admission.capacity`` config section)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kv_budget_frac: float = Field(default=0.95, gt=0.0, le=4.0)
+    kv_high_watermark: float = Field(default=0.85, gt=0.0, le=1.0)
+    max_in_flight_per_backend: int = Field(default=256, ge=1)
+    reduced_max_in_flight: int = Field(default=16, ge=1)
+    default_kv_capacity_tokens: int | None = Field(default=None, ge=1)
+    kv_bytes_per_token: dict[str, int] = Field(default_factory=dict)
+
+
+def memory_need_tokens(input_tokens: int, output_tokens: int) -> int:
+    """Peak KV tokens a request holds: its prompt plus every output token."""
+    return max(1, input_tokens + output_tokens)
+
+
+def memory_need_bytes(
+    input_tokens: int, output_tokens: int, kv_bytes_per_token: int | None = None
+) -> int:
+    """Peak KV bytes; the seed's ``input*200 KB + output*1500 KB`` when the size is unknown."""
+    if kv_bytes_per_token is not None:
+        return memory_need_tokens(input_tokens, output_tokens) * kv_bytes_per_token
+    kb = input_tokens * SEED_INPUT_KB_PER_TOKEN + output_tokens * SEED_OUTPUT_KB_PER_TOKEN
+    return max(1, kb) * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Room:
+    """Whether a backend can take a request now, and why not."""
+
+    is_free: bool
+    cap: int
+    free_tokens: int | None
+    reason: str = ""
+
+
+def capacity_tokens(s: BackendState, cfg: CapacityConfig) -> int | None:
+    """The backend's KV capacity in tokens, if known (state, else the configured default)."""
+    if s.kv_capacity_tokens:
+        return s.kv_capacity_tokens
+    return cfg.default_kv_capacity_tokens
+
+
+def used_tokens(s: BackendState, capacity: int, reserved_tokens: int) -> int:
+    """KV in use: the engine's figure or the gateway's reservations, whichever is larger."""
+    scraped = 0 if s.kv_usage is None else round(s.kv_usage * capacity)
+    return max(scraped, reserved_tokens)
+
+
+def in_flight_cap(s: BackendState, cfg: CapacityConfig, is_over_budget: bool) -> int:
+    """The per-backend in-flight cap, reduced when KV is tight (S2.3)."""
+    is_hot = s.kv_usage is not None and s.kv_usage > cfg.kv_high_watermark
+    if is_hot or is_over_budget:
+        return min(cfg.reduced_max_in_flight, cfg.max_in_flight_per_backend)
+    return cfg.max_in_flight_per_backend
+
+
+def has_room(
+    s: BackendState,
+    cfg: CapacityConfig,
+    need_tokens: int,
+    reserved_tokens: int,
+    num_in_flight: int,
+) -> Room:
+    """Can ``s`` take a request needing ``need_tokens`` of KV right now?
+
+    ``reserved_tokens`` / ``num_in_flight`` are the gateway's own counts for ``s``. An
+    idle backend always takes one request, even one larger than its budget.
+    """
+    capacity = capacity_tokens(s, cfg)
+    if capacity is None:
+        cap = cfg.max_in_flight_per_backend
+        return Room(num_in_flight < cap, cap, None, "" if num_in_flight < cap else "in_flight_cap")
+    budget = int(capacity * cfg.kv_budget_frac)
+    free = budget - used_tokens(s, capacity, reserved_tokens)
+    cap = in_flight_cap(s, cfg, is_over_budget=free < 0)
+    if num_in_flight >= cap:
+        return Room(False, cap, free, "in_flight_cap")
+    if num_in_flight > 0 and need_tokens > free:
+        return Room(False, cap, free, "kv_budget")
+    return Room(True, cap, free)

@@ -1,0 +1,181 @@
+"""Slow-node demotion and slow start (SPEC S3.2), pure: samples and time passed in.
+
+Each backend keeps a rolling window of its recent TTFT and TPOT samples (at most
+``max_num_samples``, none older than ``window_s``). ``evaluate`` compares the window's
+median with
+
+* an absolute threshold: ``max_tpot_ms`` (default 300 ms) and ``max_ttft_ms`` (off by
+  default), and
+* ``pool_factor`` x the median of the *other* backends of its pool (medians of their
+  windows; the others, so that one slow node in a pool of two still stands out).
+
+A slow backend is demoted to ``demoted_weight`` (default 0.2) of its weight instead of
+being ejected, with a reason (``tpot_abs``, ``ttft_abs``, ``tpot_pool``, ``ttft_pool``).
+When it is back under every threshold (or its window has too few recent samples to
+tell) it ramps back linearly to full weight over ``slow_start_s`` (slow start); a
+relapse during the ramp demotes it again.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["DemotionConfig", "DemotionEvent", "SlowNodeDemoter"]
+
+logger = logging.getLogger(__name__)
+
+
+class DemotionConfig(BaseModel):
+    """``demotion:`` section of the gateway config."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    max_tpot_ms: float | None = Field(default=300.0, gt=0.0)
+    max_ttft_ms: float | None = Field(default=None, gt=0.0)
+    pool_factor: float | None = Field(default=2.5, gt=1.0)
+    demoted_weight: float = Field(default=0.2, gt=0.0, le=1.0)
+    window_s: float = Field(default=30.0, gt=0.0)
+    max_num_samples: int = Field(default=32, ge=1)
+    min_num_samples: int = Field(default=5, ge=1)
+    slow_start_s: float = Field(default=30.0, ge=0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class DemotionEvent:
+    """A backend was demoted (``reason`` set) or started recovering (``reason`` empty)."""
+
+    backend_id: str
+    reason: str
+    value_ms: float = 0.0
+    threshold_ms: float = 0.0
+
+
+@dataclass(slots=True)
+class _Node:
+    ttft_ms: deque[tuple[float, float]] = field(default_factory=deque)
+    tpot_ms: deque[tuple[float, float]] = field(default_factory=deque)
+    is_demoted: bool = False
+    recovering_since_s: float | None = None
+    reason: str = ""
+    num_demotions_total: int = 0
+
+
+def _push(window: deque[tuple[float, float]], now_s: float, value: float, max_n: int) -> None:
+    window.append((now_s, value))
+    while len(window) > max_n:
+        window.popleft()
+
+
+def _trim(window: deque[tuple[float, float]], oldest_s: float) -> None:
+    while window and window[0][0] < oldest_s:
+        window.popleft()
+
+
+class SlowNodeDemoter:
+    """Rolling latency windows per backend and the weight factor each one gets."""
+
+    def __init__(self, cfg: DemotionConfig) -> None:
+        self.cfg = cfg
+        self._nodes: dict[str, _Node] = {}
+
+    def _node(self, backend_id: str) -> _Node:
+        node = self._nodes.get(backend_id)
+        if node is None:
+            node = self._nodes[backend_id] = _Node()
+        return node
+
+    def forget(self, backend_id: str) -> None:
+        self._nodes.pop(backend_id, None)
+
+    def observe(
+        self, backend_id: str, now_s: float, ttft_ms: float | None, tpot_ms: float | None
+    ) -> None:
+        node, max_n = self._node(backend_id), self.cfg.max_num_samples
+        if ttft_ms is not None:
+            _push(node.ttft_ms, now_s, ttft_ms, max_n)
+        if tpot_ms is not None:
+            _push(node.tpot_ms, now_s, tpot_ms, max_n)
+
+    def _median(self, window: deque[tuple[float, float]]) -> float | None:
+        if len(window) < self.cfg.min_num_samples:
+            return None
+        return statistics.median(v for _, v in window)
+
+    def _others(self, kind: str, backend_id: str, pool: Iterable[str]) -> float | None:
+        values = []
+        for other in pool:
+            if other != backend_id and other in self._nodes:
+                m = self._median(getattr(self._nodes[other], kind))
+                if m is not None:
+                    values.append(m)
+        return statistics.median(values) if values else None
+
+    def _slow_reason(self, backend_id: str, pool: Iterable[str]) -> DemotionEvent | None:
+        node, cfg = self._nodes[backend_id], self.cfg
+        members = list(pool)
+        for kind, limit_ms in (("tpot_ms", cfg.max_tpot_ms), ("ttft_ms", cfg.max_ttft_ms)):
+            mine = self._median(getattr(node, kind))
+            if mine is None:
+                continue
+            name = kind.removesuffix("_ms")
+            if limit_ms is not None and mine > limit_ms:
+                return DemotionEvent(backend_id, f"{name}_abs", mine, limit_ms)
+            others = self._others(kind, backend_id, members) if cfg.pool_factor else None
+            if others is not None and cfg.pool_factor and mine > cfg.pool_factor * others:
+                return DemotionEvent(backend_id, f"{name}_pool", mine, cfg.pool_factor * others)
+        return None
+
+    def evaluate(self, now_s: float, pools: Mapping[str, Iterable[str]]) -> list[DemotionEvent]:
+        """Re-judge every backend (``pools``: backend id -> ids of its pool); returns changes."""
+        events: list[DemotionEvent] = []
+        if not self.cfg.enabled:
+            return events
+        oldest_s = now_s - self.cfg.window_s
+        for node in self._nodes.values():
+            _trim(node.ttft_ms, oldest_s)
+            _trim(node.tpot_ms, oldest_s)
+        for backend_id, node in self._nodes.items():
+            slow = self._slow_reason(backend_id, pools.get(backend_id, ()))
+            if slow is not None and (not node.is_demoted or node.recovering_since_s is not None):
+                node.is_demoted, node.recovering_since_s, node.reason = True, None, slow.reason
+                node.num_demotions_total += 1
+                events.append(slow)
+            elif slow is None and node.is_demoted and node.recovering_since_s is None:
+                node.recovering_since_s = now_s
+                events.append(DemotionEvent(backend_id, ""))
+        return events
+
+    def weight_factor(self, backend_id: str, now_s: float) -> float:
+        """1.0 normally; ``demoted_weight`` when demoted; a linear ramp during slow start."""
+        node = self._nodes.get(backend_id)
+        if node is None or not node.is_demoted:
+            return 1.0
+        low = self.cfg.demoted_weight
+        if node.recovering_since_s is None:
+            return low
+        ramp_s = self.cfg.slow_start_s
+        done = 1.0 if ramp_s <= 0.0 else (now_s - node.recovering_since_s) / ramp_s
+        if done >= 1.0:
+            node.is_demoted, node.recovering_since_s, node.reason = False, None, ""
+            return 1.0
+        return low + (1.0 - low) * max(0.0, done)
+
+    def describe(self, backend_id: str) -> dict[str, object]:
+        node = self._nodes.get(backend_id) or _Node()
+        return {
+            "demoted": node.is_demoted,
+            "demotion_reason": node.reason,
+            "recovering": node.recovering_since_s is not None,
+            "num_demotions_total": node.num_demotions_total,
+        }
+
+    def num_demotions_total(self, backend_id: str) -> int:
+        node = self._nodes.get(backend_id)
+        return node.num_demotions_total if node else 0

@@ -1,0 +1,247 @@
+"""The live admission controller: per-pool queues, reservations and release.
+
+A request asks ``admit``; when its pool's queue is empty and a backend has room
+(``capacity.has_room`` with the gateway's own reservations) it goes at once to the
+best backend with room in the policy's ranking. Otherwise it waits in the pool's
+``PoolQueue`` until ``pump`` releases it: on every completion and every ``tick_s``
+(a ticker task that also expires waiters past their deadline with a 503). A full
+lane is a 429 with ``Retry-After``. ``done`` returns a request's reservation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+from kiloserve.gateway.admission import LANES, AdmissionConfig, PoolQueue, QueueFullError, Waiter
+from kiloserve.gateway.auth import TooManyRequestsError, UnavailableError
+from kiloserve.gateway.backends import BackendTable
+from kiloserve.gateway.capacity import has_room, memory_need_tokens
+from kiloserve.policies.base import Policy, RequestInfo
+
+__all__ = ["Admission", "AdmissionController", "AdmissionMetrics"]
+
+logger = logging.getLogger(__name__)
+
+WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+@dataclass(slots=True)
+class Admission:
+    """A granted request: where it goes and what it reserved there."""
+
+    ranked: tuple[str, ...]
+    backend_id: str
+    need_tokens: int
+    waited_s: float = 0.0
+
+
+class AdmissionMetrics(Collector):
+    """Queue depth per (model, lane), wait-time histogram per model, outcome counts."""
+
+    def __init__(self, controller: AdmissionController) -> None:
+        self._ctl = controller
+        self.outcomes: dict[tuple[str, str], int] = {}
+        self.waits: dict[str, list[int]] = {}
+        self.wait_sums: dict[str, float] = {}
+
+    def outcome(self, model: str, outcome: str) -> None:
+        key = (model, outcome)
+        self.outcomes[key] = self.outcomes.get(key, 0) + 1
+
+    def observe_wait(self, model: str, waited_s: float) -> None:
+        counts = self.waits.setdefault(model, [0] * (len(WAIT_BUCKETS_S) + 1))
+        i = next((i for i, b in enumerate(WAIT_BUCKETS_S) if waited_s <= b), len(WAIT_BUCKETS_S))
+        counts[i] += 1
+        self.wait_sums[model] = self.wait_sums.get(model, 0.0) + waited_s
+
+    def collect(self) -> Iterator[Any]:
+        prefix = "kiloserve_gateway_admission_"
+        depth = GaugeMetricFamily(
+            prefix + "queue_depth", "requests queued at the gateway", labels=["model", "lane"]
+        )
+        for model, q in self._ctl.queues.items():
+            for lane in LANES:
+                depth.add_metric([model, lane], q.depth(lane))
+        yield depth
+        out = CounterMetricFamily(
+            prefix + "requests", "admission outcomes", labels=["model", "outcome"]
+        )
+        for (model, what), n in self.outcomes.items():
+            out.add_metric([model, what], n)
+        yield out
+        hist = HistogramMetricFamily(
+            prefix + "queue_wait_seconds", "time spent queued at the gateway", labels=["model"]
+        )
+        for model, counts in self.waits.items():
+            cum, buckets = 0, []
+            for bound, n in zip((*WAIT_BUCKETS_S, float("inf")), counts, strict=True):
+                cum += n
+                buckets.append(("+Inf" if bound == float("inf") else str(bound), float(cum)))
+            hist.add_metric([model], buckets, self.wait_sums[model])
+        yield hist
+
+
+class AdmissionController:
+    """Admission for every model pool of one gateway app."""
+
+    def __init__(
+        self, cfg: AdmissionConfig, table: BackendTable, policy: Policy, rng: random.Random
+    ) -> None:
+        self.cfg = cfg
+        self.table = table
+        self.policy = policy
+        self.rng = rng
+        self.queues: dict[str, PoolQueue] = {}
+        self.reserved_tokens: dict[str, int] = {}
+        self.num_in_flight: dict[str, int] = {}
+        self.metrics = AdmissionMetrics(self)
+        self._infos: dict[int, RequestInfo] = {}
+
+    # -- capacity ------------------------------------------------------------------
+    def _roomy(self, model: str, need_tokens: int) -> set[str]:
+        cap = self.cfg.capacity
+        out: set[str] = set()
+        for bid in self.table.pool_ids(model):
+            s = self.table.state(bid)
+            if not s.is_routable:
+                continue
+            room = has_room(
+                s, cap, need_tokens, self.reserved_tokens.get(bid, 0),
+                self.num_in_flight.get(bid, 0),
+            )  # fmt: skip
+            if room.is_free:
+                out.add(bid)
+        return out
+
+    def _place(self, info: RequestInfo, need_tokens: int) -> Admission | None:
+        """Reserve the policy's best backend with room; None when none has room."""
+        roomy = self._roomy(info.model, need_tokens)
+        if not roomy:
+            return None
+        snap = self.table.snapshot(time.monotonic())
+        ranked = self.policy.choose(info, snap, self.rng).ranked
+        pool = self.table.pool_ids(info.model)
+        ordered = [b for b in ranked if b in roomy]
+        if not ordered:
+            ordered = sorted(roomy)  # the policy ranked none of them (e.g. it filters)
+        rest = [b for b in ranked if b not in roomy and b in pool and self.table.is_routable(b)]
+        bid = ordered[0]
+        self.reserved_tokens[bid] = self.reserved_tokens.get(bid, 0) + need_tokens
+        self.num_in_flight[bid] = self.num_in_flight.get(bid, 0) + 1
+        return Admission(tuple(ordered + rest), bid, need_tokens)
+
+    def done(self, adm: Admission) -> None:
+        """The request ended: give back its reservation and release waiters."""
+        self._unreserve(adm)
+        self.pump(time.monotonic())
+
+    def _unreserve(self, adm: Admission) -> None:
+        bid = adm.backend_id
+        self.reserved_tokens[bid] = max(0, self.reserved_tokens.get(bid, 0) - adm.need_tokens)
+        self.num_in_flight[bid] = max(0, self.num_in_flight.get(bid, 0) - 1)
+
+    # -- queueing ------------------------------------------------------------------
+    def _queue(self, model: str) -> PoolQueue:
+        q = self.queues.get(model)
+        if q is None:
+            q = self.queues[model] = PoolQueue(self.cfg)
+        return q
+
+    async def admit(self, info: RequestInfo) -> Admission:
+        """Wait for room; raises TooManyRequestsError (429) or UnavailableError (503)."""
+        need = memory_need_tokens(info.input_tokens, info.predicted_output_tokens)
+        q = self._queue(info.model)
+        now = time.monotonic()
+        if not len(q) and self.cfg.window_s <= 0:
+            adm = self._place(info, need)
+            if adm is not None:
+                self.metrics.outcome(info.model, "admitted")
+                return adm
+        return await self._wait(q, info, need, now)
+
+    async def _wait(self, q: PoolQueue, info: RequestInfo, need: int, now: float) -> Admission:
+        fut: asyncio.Future[Admission] = asyncio.get_running_loop().create_future()
+        w = Waiter(
+            info.request_id, need, info.input_tokens, info.priority, info.tenant or "",
+            now, now + self.cfg.max_queue_wait_s, q.window_end(now), ticket=fut,
+        )  # fmt: skip
+        try:
+            q.push(w)
+        except QueueFullError as exc:
+            self.metrics.outcome(info.model, "rejected_queue_full")
+            raise TooManyRequestsError(
+                f"the gateway queue for `{info.model}` ({exc} lane) is full; retry later",
+                code="queue_full",
+            ) from exc
+        self._infos[id(w)] = info
+        self.pump(now)
+        try:
+            return await fut
+        finally:
+            if q.remove(w):  # cancelled while queued (the client left)
+                self.metrics.outcome(info.model, "cancelled")
+            self._infos.pop(id(w), None)
+
+    def pump(self, now_s: float) -> None:
+        """Release every waiter that may go now, in queue order."""
+        for model, q in self.queues.items():
+            self._expire(model, q, now_s)
+            while len(q) and self._release_one(model, q, now_s):
+                pass
+
+    def _release_one(self, model: str, q: PoolQueue, now_s: float) -> bool:
+        placed: list[Admission] = []
+
+        def fits(w: Waiter) -> bool:
+            info = self._infos.get(id(w))
+            if info is None or not self._roomy(info.model, w.need_tokens):
+                return False
+            adm = self._place(info, w.need_tokens)
+            if adm is not None:
+                placed.append(adm)
+            return adm is not None
+
+        w = q.pick(now_s, fits)
+        if w is None:
+            return False
+        self._grant(model, w, placed[0], now_s)
+        return True
+
+    def _grant(self, model: str, w: Waiter, adm: Admission, now_s: float) -> None:
+        adm.waited_s = now_s - w.enqueued_s
+        self.metrics.observe_wait(model, adm.waited_s)
+        self.metrics.outcome(model, "admitted")
+        fut = w.ticket
+        if isinstance(fut, asyncio.Future) and not fut.done():
+            fut.set_result(adm)
+        else:
+            self._unreserve(adm)
+
+    def _expire(self, model: str, q: PoolQueue, now_s: float) -> None:
+        for w in q.expire(now_s):
+            self.metrics.observe_wait(model, now_s - w.enqueued_s)
+            self.metrics.outcome(model, "expired")
+            fut = w.ticket
+            if isinstance(fut, asyncio.Future) and not fut.done():
+                fut.set_exception(
+                    UnavailableError(
+                        f"waited {now_s - w.enqueued_s:.1f} s at the gateway for `{model}` "
+                        f"(admission.max_queue_wait_s={self.cfg.max_queue_wait_s}); retry later",
+                        code="queue_timeout",
+                    )
+                )
+
+    async def run_ticker(self) -> None:
+        """Expire and release on a timer (scrapes change room without a completion)."""
+        while True:
+            await asyncio.sleep(self.cfg.tick_s)
+            self.pump(time.monotonic())

@@ -1,0 +1,1 @@
+"""Backend registries: the static YAML list (default) or etcd (``registry.kind: etcd``)."""

@@ -1,0 +1,146 @@
+"""Gateway side of the etcd registry: follow a key prefix into the live backend table.
+
+Loop: read every key under the prefix (a full resync: add / update what is there,
+remove registry backends that are not), then watch from the next revision and apply
+each put / delete as it comes. When etcd cannot be reached the table keeps the last
+known set, ``kiloserve_gateway_registry_up`` drops to 0 and a warning is logged once
+per outage; the loop retries every ``retry_interval_s`` and resyncs when etcd is back.
+Backends from the static ``backends:`` list are never removed by the registry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kiloserve.errors import ConfigError
+from kiloserve.gateway.backends import BackendTable
+from kiloserve.gateway.config import GatewayConfig
+from kiloserve.gateway.metrics import PREFIX, GatewayMetrics
+from kiloserve.gateway.registry.etcd import EtcdClient, EtcdError, WatchEvent
+from kiloserve.gateway.registry.record import decode_record
+
+__all__ = ["RegistryWatcher", "start_registry"]
+
+logger = logging.getLogger(__name__)
+
+
+class RegistryWatcher:
+    """Applies the etcd prefix to ``table``; ``is_up`` says whether etcd answers."""
+
+    def __init__(self, cfg: GatewayConfig, table: BackendTable) -> None:
+        self.cfg = cfg.registry
+        self.table = table
+        self._static = {b.backend_id for b in cfg.backends}
+        self._key_to_id: dict[str, str] = {}
+        self.is_up = False
+        self.num_errors = 0
+        self.num_updates = 0
+        self.last_ok_s: float | None = None
+
+    def _apply_put(self, key: str, raw: bytes) -> None:
+        try:
+            record = decode_record(raw, key)
+        except ConfigError as exc:
+            logger.warning("ignoring registry entry: %s", exc)
+            return
+        backend_id = record.backend.backend_id
+        if backend_id in self._static:
+            logger.warning("registry key %s names static backend %s; ignored", key, backend_id)
+            return
+        old = self._key_to_id.get(key)
+        if old is not None and old != backend_id:
+            self.table.remove_backend(old)
+        self._key_to_id[key] = backend_id
+        self.table.add_backend(record.backend)
+        state = self.table.state(backend_id)
+        if state.draining != record.is_draining:
+            self.table.set_draining(backend_id, record.is_draining)
+        self.num_updates += 1
+
+    def _apply_delete(self, key: str) -> None:
+        backend_id = self._key_to_id.pop(key, None)
+        if backend_id is not None:
+            self.table.remove_backend(backend_id)
+            self.num_updates += 1
+
+    def apply(self, event: WatchEvent) -> None:
+        if event.value is None:
+            self._apply_delete(event.key)
+        else:
+            self._apply_put(event.key, event.value)
+
+    def resync(self, kvs: dict[str, bytes]) -> None:
+        for key in list(self._key_to_id):
+            if key not in kvs:
+                self._apply_delete(key)
+        for key, raw in kvs.items():
+            self._apply_put(key, raw)
+
+    def _mark(self, is_up: bool, why: str = "") -> None:
+        if is_up and not self.is_up:
+            logger.info("etcd registry reachable: %d backends", len(self._key_to_id))
+        elif not is_up and self.is_up:
+            logger.warning("etcd registry unreachable (%s): keeping the last known %d backends",
+                           why, len(self._key_to_id))  # fmt: skip
+        if not is_up:
+            self.num_errors += 1
+        else:
+            self.last_ok_s = time.monotonic()
+        self.is_up = is_up
+
+    async def run(self, client: EtcdClient) -> None:
+        prefix = self.cfg.prefix
+        while True:
+            try:
+                revision, kvs = await client.get_prefix(prefix)
+                self.resync(kvs)
+                self._mark(True)
+                async for event in client.watch_prefix(prefix, revision + 1):
+                    self.apply(event)
+                    self.last_ok_s = time.monotonic()
+            except EtcdError as exc:
+                self._mark(False, str(exc))
+            await asyncio.sleep(self.cfg.retry_interval_s)
+
+
+class _RegistryCollector(Collector):
+    def __init__(self, watcher: RegistryWatcher) -> None:
+        self._w = watcher
+
+    def collect(self) -> Iterator[Any]:
+        w = self._w
+        up = GaugeMetricFamily(PREFIX + "registry_up", "1 while the etcd registry answers")
+        up.add_metric([], 1.0 if w.is_up else 0.0)
+        errors = CounterMetricFamily(PREFIX + "registry_errors", "failed etcd registry calls")
+        errors.add_metric([], w.num_errors)
+        count = GaugeMetricFamily(PREFIX + "registry_backends", "backends known from etcd")
+        count.add_metric([], len(w._key_to_id))
+        yield from (up, errors, count)
+
+
+def start_registry(
+    cfg: GatewayConfig, table: BackendTable, metrics: GatewayMetrics
+) -> asyncio.Task[None] | None:
+    """Start following etcd when ``registry.kind`` is ``etcd``; None for the static list."""
+    if cfg.registry.kind != "etcd":
+        return None
+    if not cfg.registry.etcd:
+        raise ConfigError("registry.kind is etcd but registry.etcd lists no endpoints")
+    watcher = RegistryWatcher(cfg, table)
+    metrics.registry.register(_RegistryCollector(watcher))
+
+    async def main() -> None:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.registry.timeout_s)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            await watcher.run(EtcdClient(cfg.registry.etcd, session, cfg.registry.timeout_s))
+
+    logger.info("backends from etcd %s prefix %s", cfg.registry.etcd, cfg.registry.prefix)
+    return asyncio.create_task(main())

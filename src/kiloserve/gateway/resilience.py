@@ -1,0 +1,214 @@
+"""Glue between the gateway and the fault-tolerance state machines.
+
+``Resilience`` owns the active prober (``health.py``), the passive outlier detector
+(``outlier.py``) and the slow-node demoter (``demotion.py``), and writes their verdicts
+into the live ``BackendTable``:
+
+* probe failures and ejections are *vetoes* (``table.set_veto``): the backend is
+  unhealthy while any veto holds, whatever its scrapes say;
+* demotion sets ``effective_weight`` = base x weight factor, which every policy reads.
+
+It listens to every finished attempt (``table.completion_listeners``), runs a tick
+every ``_TICK_S`` (expired ejections turn half-open, demotion re-judged) and, through
+``admit``, puts a half-open backend first in one request's ranked list: that request
+is its circuit-breaker trial, and if it fails the gateway's retry sends it on to the
+next backend before any byte reached the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kiloserve.gateway.backends import BackendTable
+from kiloserve.gateway.config import GatewayConfig
+from kiloserve.gateway.demotion import SlowNodeDemoter
+from kiloserve.gateway.health import Prober, ProbeTracker
+from kiloserve.gateway.metrics import PREFIX, GatewayMetrics
+from kiloserve.gateway.outlier import OutlierDetector
+from kiloserve.policies.base import Outcome
+
+__all__ = ["PROBE_VETO", "EJECT_VETO", "Resilience"]
+
+logger = logging.getLogger(__name__)
+
+PROBE_VETO = "probe"
+EJECT_VETO = "ejected"
+_TICK_S = 0.1
+
+
+class Resilience:
+    """Health probes, outlier ejection and demotion for one gateway app."""
+
+    def __init__(self, cfg: GatewayConfig, table: BackendTable, metrics: GatewayMetrics) -> None:
+        self.cfg = cfg
+        self.table = table
+        self.outlier = OutlierDetector(cfg.outlier)
+        self.demoter = SlowNodeDemoter(cfg.demotion)
+        self.probes = ProbeTracker(cfg.health)
+        self.num_probes: dict[tuple[str, str], int] = {}
+        self.num_ejections: dict[str, int] = {}
+        self.num_demotions: dict[tuple[str, str], int] = {}
+        self._base_weight: dict[str, float] = {}
+        self._prober: Prober | None = None
+        self._task: asyncio.Task[None] | None = None
+        table.completion_listeners.append(self.on_complete)
+        metrics.registry.register(_ResilienceCollector(self))
+
+    # -- traffic -------------------------------------------------------------------
+    def on_complete(self, backend_id: str, outcome: Outcome) -> None:
+        now_s = time.monotonic()
+        pool = self._pool_of(backend_id)
+        if self.outlier.on_result(backend_id, outcome.status, now_s, pool):
+            self.num_ejections[backend_id] = self.num_ejections.get(backend_id, 0) + 1
+            self.table.set_veto(backend_id, EJECT_VETO, True)
+        elif not self.outlier.is_ejected(backend_id):
+            self.table.set_veto(backend_id, EJECT_VETO, False)
+        if outcome.ok:
+            self.demoter.observe(backend_id, now_s, outcome.ttft_ms, outcome.tpot_ms)
+
+    def admit(self, ranked: tuple[str, ...], pool: frozenset[str]) -> tuple[str, ...]:
+        """Put one half-open backend of ``pool`` first (its trial request), if any."""
+        for backend_id in sorted(pool):
+            if backend_id not in ranked and self._is_trial_ready(backend_id):
+                if self.outlier.try_trial(backend_id):
+                    logger.info("backend %s half-open: one trial request", backend_id)
+                    return (backend_id, *ranked)
+        return ranked
+
+    def _is_trial_ready(self, backend_id: str) -> bool:
+        rec = self.table.record(backend_id)
+        others = rec.vetoes - {EJECT_VETO}
+        return not others and rec.is_scrape_healthy and not rec.state.draining
+
+    def _pool_of(self, backend_id: str) -> frozenset[str]:
+        ids: set[str] = set()
+        if backend_id in self.table.backend_ids():
+            for model in self.table.state(backend_id).models:
+                ids |= self.table.pool_ids(model)
+        return frozenset(ids)
+
+    # -- probes --------------------------------------------------------------------
+    def _target(self, backend_id: str) -> tuple[str, str | None] | None:
+        if backend_id not in self.table.backend_ids():
+            return None
+        s = self.table.state(backend_id)
+        return s.url, min(s.models) if s.models else None
+
+    def _on_probe(self, backend_id: str, is_ok: bool, why: str) -> None:
+        key = (backend_id, "ok" if is_ok else "fail")
+        self.num_probes[key] = self.num_probes.get(key, 0) + 1
+        changed = self.probes.record(backend_id, is_ok)
+        if changed is False:
+            logger.warning("backend %s failed its health probes (%s)", backend_id, why)
+            self.table.set_veto(backend_id, PROBE_VETO, True)
+        elif changed is True:
+            logger.info("backend %s passes its health probes again", backend_id)
+            self.table.set_veto(backend_id, PROBE_VETO, False)
+
+    # -- ticks ---------------------------------------------------------------------
+    def tick(self, now_s: float) -> None:
+        self.outlier.tick(now_s)
+        ids = self.table.backend_ids()
+        pools = {b: self._pool_of(b) for b in ids}
+        for event in self.demoter.evaluate(now_s, pools):
+            if event.reason:
+                key = (event.backend_id, event.reason)
+                self.num_demotions[key] = self.num_demotions.get(key, 0) + 1
+                logger.warning(
+                    "backend %s demoted to weight x%.2f: %s %.0f ms > %.0f ms; consider "
+                    "restarting it or scaling out",
+                    event.backend_id, self.cfg.demotion.demoted_weight, event.reason,
+                    event.value_ms, event.threshold_ms,
+                )  # fmt: skip
+            else:
+                logger.info("backend %s back under its latency thresholds: slow start", event.backend_id)
+        for b in ids:
+            self._apply_weight(b, now_s)
+
+    def _apply_weight(self, backend_id: str, now_s: float) -> None:
+        state = self.table.state(backend_id)
+        base = self._base_weight.setdefault(backend_id, state.effective_weight)
+        state.effective_weight = base * self.demoter.weight_factor(backend_id, now_s)
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                self.tick(time.monotonic())
+                if self._prober is not None:
+                    self._prober.reconcile(set(self.table.backend_ids()))
+                self._forget_gone()
+            except Exception:  # keep ticking whatever one round did
+                logger.exception("fault-tolerance tick failed")
+            await asyncio.sleep(_TICK_S)
+
+    def _forget_gone(self) -> None:
+        gone = self._base_weight.keys() - set(self.table.backend_ids())
+        for b in gone:
+            self._base_weight.pop(b, None)
+            self.outlier.forget(b)
+            self.demoter.forget(b)
+
+    def start(self, session: aiohttp.ClientSession, rng: random.Random) -> None:
+        if self.cfg.health.enabled:
+            self._prober = Prober(self.cfg.health, session, self._target, self._on_probe, rng)
+            self._prober.tracker = self.probes
+        self._task = asyncio.create_task(self._run())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._prober is not None:
+            await self._prober.close()
+
+    def describe(self, backend_id: str, now_s: float) -> dict[str, Any]:
+        return {
+            **self.outlier.describe(backend_id, now_s),
+            **self.demoter.describe(backend_id),
+            "probe_healthy": self.probes.is_healthy(backend_id),
+        }
+
+
+class _ResilienceCollector(Collector):
+    def __init__(self, r: Resilience) -> None:
+        self._r = r
+
+    def collect(self) -> Iterator[Any]:
+        r = self._r
+        probes = CounterMetricFamily(
+            PREFIX + "health_probes", "active health probes", labels=["backend", "result"]
+        )
+        for (b, result), n in sorted(r.num_probes.items()):
+            probes.add_metric([b, result], n)
+        ejections = CounterMetricFamily(
+            PREFIX + "outlier_ejections", "passive outlier ejections", labels=["backend"]
+        )
+        for b, n in sorted(r.num_ejections.items()):
+            ejections.add_metric([b], n)
+        demotions = CounterMetricFamily(
+            PREFIX + "demotions", "slow-node demotions", labels=["backend", "reason"]
+        )
+        for (b, reason), n in sorted(r.num_demotions.items()):
+            demotions.add_metric([b, reason], n)
+        ejected = GaugeMetricFamily(
+            PREFIX + "backend_ejected", "1 while ejected or half-open", labels=["backend"]
+        )
+        demoted = GaugeMetricFamily(
+            PREFIX + "backend_demoted", "1 while demoted or in slow start", labels=["backend"]
+        )
+        for b in r.table.backend_ids():
+            ejected.add_metric([b], 1.0 if r.outlier.is_ejected(b) else 0.0)
+            demoted.add_metric([b], 1.0 if r.demoter.describe(b)["demoted"] else 0.0)
+        yield from (probes, ejections, demotions, ejected, demoted)
