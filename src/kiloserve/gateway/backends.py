@@ -224,7 +224,8 @@ class BackendTable:
         healthy = rec.is_scrape_healthy and not rec.vetoes
         if healthy != rec.state.healthy:
             rec.state.healthy = healthy
-            why = "healthy" if healthy else f"unhealthy ({', '.join(sorted(rec.vetoes)) or 'scrapes'})"
+            vetoes = ", ".join(sorted(rec.vetoes)) or "scrapes"
+            why = "healthy" if healthy else f"unhealthy ({vetoes})"
             logger.info("backend %s %s", rec.state.backend_id, why)
 
     # -- scrapes and health --------------------------------------------------------

@@ -24,7 +24,7 @@ import logging
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -47,7 +47,7 @@ class OutlierConfig(BaseModel):
     max_ejection_percent: float = Field(default=50.0, ge=0.0, le=100.0)
 
 
-class BreakerState(str, Enum):
+class BreakerState(StrEnum):
     CLOSED = "closed"
     EJECTED = "ejected"
     HALF_OPEN = "half_open"
@@ -115,10 +115,10 @@ class OutlierDetector:
             b.num_failures = 0
             return False
         b.num_failures += 1
-        if b.state is BreakerState.CLOSED and b.num_failures >= self.cfg.consecutive_gateway_failures:
-            if self._may_eject(backend_id, pool):
-                reason = f"{b.num_failures} consecutive failures (last {status})"
-                return self._eject(backend_id, b, now_s, reason)
+        is_run_over = b.num_failures >= self.cfg.consecutive_gateway_failures
+        if b.state is BreakerState.CLOSED and is_run_over and self._may_eject(backend_id, pool):
+            reason = f"{b.num_failures} consecutive failures (last {status})"
+            return self._eject(backend_id, b, now_s, reason)
         return False
 
     def _may_eject(self, backend_id: str, pool: Iterable[str]) -> bool:
@@ -150,16 +150,17 @@ class OutlierDetector:
     def tick(self, now_s: float) -> list[str]:
         """Advance time: expired ejections turn half-open; returns the ids that did."""
         opened: list[str] = []
-        base_s = self.cfg.base_ejection_time_s
         for backend_id, b in self._breakers.items():
             if b.state is BreakerState.EJECTED and now_s >= b.ejected_until_s:
                 b.state = BreakerState.HALF_OPEN
                 opened.append(backend_id)
-            elif b.state is BreakerState.CLOSED and b.num_ejections > 0:
-                if now_s - b.healthy_since_s >= base_s:
-                    b.num_ejections -= 1
-                    b.healthy_since_s = now_s
+            elif b.state is BreakerState.CLOSED and self._is_decay_due(b, now_s):
+                b.num_ejections -= 1  # the multiplier decays while healthy
+                b.healthy_since_s = now_s
         return opened
+
+    def _is_decay_due(self, b: _Breaker, now_s: float) -> bool:
+        return b.num_ejections > 0 and now_s - b.healthy_since_s >= self.cfg.base_ejection_time_s
 
     def try_trial(self, backend_id: str) -> bool:
         """Claim the one trial request of a half-open backend (False if taken / not half-open)."""

@@ -37,7 +37,7 @@ from kiloserve.gateway.metrics import PREFIX, GatewayMetrics
 from kiloserve.gateway.outlier import OutlierDetector
 from kiloserve.policies.base import Outcome
 
-__all__ = ["PROBE_VETO", "EJECT_VETO", "Resilience"]
+__all__ = ["EJECT_VETO", "PROBE_VETO", "Resilience"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,10 +79,10 @@ class Resilience:
     def admit(self, ranked: tuple[str, ...], pool: frozenset[str]) -> tuple[str, ...]:
         """Put one half-open backend of ``pool`` first (its trial request), if any."""
         for backend_id in sorted(pool):
-            if backend_id not in ranked and self._is_trial_ready(backend_id):
-                if self.outlier.try_trial(backend_id):
-                    logger.info("backend %s half-open: one trial request", backend_id)
-                    return (backend_id, *ranked)
+            is_candidate = backend_id not in ranked and self._is_trial_ready(backend_id)
+            if is_candidate and self.outlier.try_trial(backend_id):
+                logger.info("backend %s half-open: one trial request", backend_id)
+                return (backend_id, *ranked)
         return ranked
 
     def _is_trial_ready(self, backend_id: str) -> bool:
@@ -131,7 +131,9 @@ class Resilience:
                     event.value_ms, event.threshold_ms,
                 )  # fmt: skip
             else:
-                logger.info("backend %s back under its latency thresholds: slow start", event.backend_id)
+                logger.info(
+                    "backend %s back under its latency thresholds: slow start", event.backend_id
+                )
         for b in ids:
             self._apply_weight(b, now_s)
 

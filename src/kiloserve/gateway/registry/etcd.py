@@ -98,7 +98,9 @@ class EtcdClient:
         """(store revision, {key: value}) of every key under ``prefix``."""
         body = {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix).encode("latin-1"))}
         data = await self._call("/v3/kv/range", body)
-        kvs = {_unb64(kv["key"]).decode(): _unb64(kv.get("value", "")) for kv in data.get("kvs", [])}
+        kvs = {
+            _unb64(kv["key"]).decode(): _unb64(kv.get("value", "")) for kv in data.get("kvs", [])
+        }
         return int(data["header"]["revision"]), kvs
 
     async def put(self, key: str, value: bytes, lease_id: int = 0) -> None:
@@ -134,7 +136,9 @@ class EtcdClient:
         body = orjson.dumps({"create_request": create})
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._timeout_s)
         try:
-            async with self._session.post(self._urls[0] + "/v3/watch", data=body, timeout=timeout) as resp:
+            async with self._session.post(
+                self._urls[0] + "/v3/watch", data=body, timeout=timeout
+            ) as resp:
                 if resp.status != 200:
                     raise EtcdError(f"etcd watch answered {resp.status}")
                 async for line in resp.content:

@@ -54,4 +54,6 @@ def decode_record(raw: bytes, key: str) -> RegistryRecord:
     except ValidationError as exc:
         raise ConfigError(f"registry key {key}: {exc.errors()[0]['msg']}") from exc
     health = data.get("health")
-    return RegistryRecord(backend, bool(data.get("draining")), health if isinstance(health, dict) else None)
+    return RegistryRecord(
+        backend, bool(data.get("draining")), health if isinstance(health, dict) else None
+    )
