@@ -216,3 +216,12 @@ def test_search_stops_when_failures_do_not_fall_with_load() -> None:
     assert result.rate_rps == 0.0
     assert calls == [4.0, 2.0]
     assert result.points[-1].violations == ("error rate 100.0%",)
+
+
+def test_capacity_from_a_rate_sweep_uses_the_offered_rate(tmp_path: Path) -> None:
+    rows = [_sweep_row(2.0, 1.8, 200.0, 30.0), _sweep_row(4.0, 3.5, 700.0, 45.0)]
+    data = {"schema_version": 1, "parameter": "rate", "points": rows}
+    (tmp_path / "sweep.json").write_text(json.dumps(data))
+    result = capacity_from_sweep(tmp_path / "sweep.json", SLO)
+    assert result.rate_rps == 2.0  # offered, not the drain-biased 1.8 measured
+    assert result.output_tokens_per_s == pytest.approx(1.8 * 100 / 1.8 * 2.0)

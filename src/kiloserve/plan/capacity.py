@@ -15,8 +15,8 @@ each probe is one deterministic simulation (same workload seed at every rate), s
 the search is repeatable.
 
 Sweep file (``capacity_from_sweep``): the ``sweep.json`` of ``kiloserve bench
---sweep`` measured on a real backend; the capacity is the measured request
-throughput of the highest point that meets the SLO (no extrapolation).
+--sweep`` measured on a real backend; the capacity is the request rate of the
+highest point that meets the SLO (no extrapolation).
 """
 
 from __future__ import annotations
@@ -328,21 +328,20 @@ def _tokens_at_rate(point: ProbePoint) -> float:
 
 
 def capacity_from_sweep(path: str | Path, slo: PercentileSlo) -> CapacityResult:
-    """Capacity from a ``kiloserve bench --sweep`` ``sweep.json`` (module docstring)."""
+    """Capacity from a ``kiloserve bench --sweep`` ``sweep.json`` (module docstring).
+
+    A concurrency sweep's point counts at its measured request throughput; a rate
+    sweep's at its offered rate (the measured one is biased low by the drain)."""
     data = _read_sweep(Path(path))
+    is_rate_sweep = data.get("parameter") == "rate"
     points: list[ProbePoint] = []
     for row in data["points"]:
         summary = _summary_from_row(row)
-        rate = float(row["request_throughput"])
+        rate = float(row["value"]) if is_rate_sweep else summary["request_throughput"]
         points.append(probe_point(rate, summary, slo))
     passing = [p for p in points if p.is_passing]
     is_bracketed = bool(passing) and len(passing) < len(points)
-    result = _result(points, is_bracketed, f"sweep:{path}")
-    if passing:
-        best = max(passing, key=lambda p: p.request_throughput)
-        result.rate_rps = best.request_throughput
-        result.output_tokens_per_s = best.output_token_throughput
-    return result
+    return _result(points, is_bracketed, f"sweep:{path}")
 
 
 def _read_sweep(path: Path) -> dict[str, Any]:
@@ -365,6 +364,7 @@ def _summary_from_row(row: Mapping[str, Any]) -> dict[str, Any]:
         return None if value is None or not math.isfinite(float(value)) else float(value)
 
     try:
+        float(row["value"])
         summary: dict[str, Any] = {
             "request_throughput": float(row["request_throughput"]),
             "output_token_throughput": float(row["output_token_throughput"]),
