@@ -15,9 +15,10 @@
   per request and lower in P95 TTFT, the latency seed 000's table reports) are marked.
 
 Every run is one deterministic simulation of ``duration_s`` seconds of arrivals (60
-by default; at least ``MIN_NUM_REQUESTS`` requests). Requests/day is the offered rate
-times the success rate: a finite run's measured throughput (requests / time to the
-last completion) is biased low by the drain at its end. Latencies include the
+by default; at least ``MIN_NUM_REQUESTS``, at most ``MAX_NUM_REQUESTS`` requests).
+Requests/day is the offered rate times the success rate: a finite run's measured
+throughput (requests / time to the last completion) is biased low by the drain at
+its end. Latencies include the
 warm-up from an empty cluster, so a run should last several E2E latencies.
 """
 
@@ -62,6 +63,7 @@ DEFAULT_MIN_PROBE_S = 30.0
 DEFAULT_POLICY = "default"
 MAX_NUM_PER_LINE = 256  # BackendSpec.count's limit
 MIN_NUM_REQUESTS = 200
+MAX_NUM_REQUESTS = 200_000  # bounds one cluster run's wall time (minutes, not hours)
 SECONDS_PER_DAY = 86_400.0
 
 
@@ -146,6 +148,12 @@ def simulate_deployment(
     if not duration_s > 0 or not rate_rps > 0:
         raise ConfigError(f"need duration_s > 0 and rate > 0, got {duration_s}, {rate_rps}")
     num_requests = max(MIN_NUM_REQUESTS, math.ceil(rate_rps * duration_s))
+    if num_requests > MAX_NUM_REQUESTS:
+        logger.warning(
+            "%.0f s at %.3g req/s is %d requests; simulating the first %d (%.0f s)",
+            duration_s, rate_rps, num_requests, MAX_NUM_REQUESTS, MAX_NUM_REQUESTS / rate_rps,
+        )  # fmt: skip
+        num_requests = MAX_NUM_REQUESTS
     workload = load_workload(
         workload_spec, seed=seed, num_requests=num_requests, rate=rate_rps, with_prompts=False
     )
