@@ -76,6 +76,7 @@ def _new_state(cfg: BackendConfig) -> BackendState:
         cost_per_hour=cfg.cost_per_hour,
         weight=cfg.weight,
         effective_weight=cfg.weight,
+        kv_capacity_tokens=cfg.kv_capacity_tokens,
         scrape_stale=True,
     )
 
