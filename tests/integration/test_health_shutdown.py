@@ -1,0 +1,72 @@
+"""SIGTERM on a real ``kiloserve gateway`` process: stop accepting, finish streams, exit."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+import yaml
+from test_gateway_twins import MODEL, twins
+
+from conftest import free_port
+
+
+async def _wait_ready(url: str, proc: subprocess.Popen[bytes]) -> None:
+    async with aiohttp.ClientSession() as s:
+        for _ in range(300):
+            assert proc.poll() is None, "gateway exited while starting"
+            try:
+                async with s.get(url + "/ready") as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientConnectionError:
+                pass
+            await asyncio.sleep(0.05)
+    raise AssertionError("gateway not ready")
+
+
+async def test_sigterm_lets_in_flight_streams_finish_then_exits(tmp_path: Path) -> None:
+    async with twins({}, step_s=0.02) as servers:
+        port = free_port()
+        conf = {
+            "port": port,
+            "shutdown_grace_s": 10.0,
+            "health": {"enabled": False},
+            "backends": [{"url": servers[0].url, "name": "t0", "models": [MODEL]}],
+        }
+        path = tmp_path / "gw.yaml"
+        path.write_text(yaml.safe_dump(conf))
+        argv = [sys.executable, "-m", "kiloserve", "gateway", "-c", str(path)]
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            await _wait_ready(url, proc)
+            body = {"model": MODEL, "prompt": "drain me", "max_tokens": 40, "stream": True}
+            async with (
+                aiohttp.ClientSession() as s,
+                s.post(url + "/v1/completions", json=body) as r,
+            ):
+                assert r.status == 200
+                first = await r.content.readline()
+                assert first.startswith(b"data: ")
+                proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.3)
+                async with aiohttp.ClientSession() as other:  # no new connections
+                    try:
+                        async with other.get(url + "/health") as late:
+                            refused = False
+                            assert late.status != 200
+                    except aiohttp.ClientConnectionError:
+                        refused = True
+                assert refused
+                rest = await r.read()
+            assert b"data: [DONE]" in rest and b'"error"' not in rest
+            assert await asyncio.to_thread(proc.wait, 10.0) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
