@@ -16,6 +16,7 @@ import logging
 import os
 import random
 import time
+from collections.abc import Awaitable
 from typing import Any
 
 import aiohttp
@@ -26,6 +27,7 @@ from kiloserve.errors import ConfigError, NotFoundError, PayloadTooLargeError, R
 from kiloserve.gateway.admin import add_admin_routes, config_hash
 from kiloserve.gateway.backends import BackendTable
 from kiloserve.gateway.config import GatewayConfig
+from kiloserve.gateway.gatekeeper import FLOW_KEY, install_flow_control
 from kiloserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from kiloserve.gateway.profile import Profiler
 from kiloserve.gateway.proxy import REQUEST_ID_HEADER, ProxyContext, forward
@@ -147,18 +149,44 @@ def _unavailable(message: str, code: str, request_id: str) -> web.Response:
 async def _proxy(request: web.Request, path: str) -> web.StreamResponse:
     ctx = request.app[CTX_KEY]
     rid = _request_id(request)
+    flow = request.app.get(FLOW_KEY)  # API keys, limits, admission (gatekeeper.py)
     try:
+        key = flow.authenticate(request.headers) if flow is not None else None
         raw = await _read_body(request, ctx.cfg.max_body_bytes)
         body = _parse_body(raw)
         _check_model(body["model"], ctx.table)
         info = ctx.profiler.profile(rid, body, request.headers)
+        if flow is not None:
+            info = flow.classify(key, info, request.headers)
     except RequestError as exc:
         ctx.metrics.request_done("", "", exc.status)
         return _error(exc, rid)
+
+    def dispatch(preferred: str | None) -> Awaitable[web.StreamResponse]:
+        return _dispatch(request, path, body, raw, info, preferred)
+
+    if flow is not None:
+        return await flow.guard(info, key, dispatch)
+    return await dispatch(None)
+
+
+async def _dispatch(
+    request: web.Request,
+    path: str,
+    body: dict[str, Any],
+    raw: bytes,
+    info: RequestInfo,
+    preferred: str | None,
+) -> web.StreamResponse:
+    """Decide and forward; ``preferred`` (the backend admission reserved) goes first."""
+    ctx = request.app[CTX_KEY]
+    rid = info.request_id
     if ctx.num_in_flight >= ctx.cfg.max_in_flight:
         ctx.metrics.request_done(info.model, "", 503)
         return _unavailable("the gateway is at its in-flight limit; retry later", "overloaded", rid)
     ranked = _decide(ctx, info, request.app[RESILIENCE_KEY])
+    if preferred in ranked:
+        ranked = (preferred, *(b for b in ranked if b != preferred))
     if not ranked:
         ctx.metrics.request_done(info.model, "", 503)
         message = f"no healthy backend for model `{info.model}`; retry later"
@@ -294,6 +322,7 @@ def create_gateway_app(cfg: GatewayConfig, *, policy: Policy | None = None) -> w
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     add_admin_routes(app, cfg, table, chosen.name)
+    install_flow_control(app, ctx, cfg)
     app.on_startup.append(_on_startup)
     app.on_cleanup.append(_on_cleanup)
     return app

@@ -22,9 +22,12 @@ from pydantic import (
 )
 
 from kiloserve.errors import ConfigError
+from kiloserve.gateway.admission import AdmissionConfig
+from kiloserve.gateway.auth import AuthConfig
 from kiloserve.gateway.demotion import DemotionConfig
 from kiloserve.gateway.health import HealthConfig
 from kiloserve.gateway.outlier import OutlierConfig
+from kiloserve.gateway.ratelimit import RateLimitConfig
 from kiloserve.gateway.registry.settings import RegistryConfig
 
 __all__ = [
@@ -70,6 +73,7 @@ class BackendConfig(_Strict):
     cost_per_hour: float = Field(default=0.0, ge=0.0)
     weight: float = Field(default=1.0, ge=0.0)
     engine: EngineKind = "auto"
+    kv_capacity_tokens: int | None = Field(default=None, ge=1)  # admission budget (admission.md)
 
     @field_validator("url")
     @classmethod
@@ -113,6 +117,10 @@ class GatewayConfig(_Strict):
     seed: int | None = None
     models: dict[str, ModelConfig] = Field(default_factory=dict)
     backends: list[BackendConfig] = Field(default_factory=list)
+    # admission and flow control, API keys, rate limits (docs/admission.md)
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    rate_limit: RateLimitConfig = Field(default_factory=RateLimitConfig)
     # fault tolerance (docs/fault-tolerance.md)
     health: HealthConfig = Field(default_factory=HealthConfig)
     outlier: OutlierConfig = Field(default_factory=OutlierConfig)
