@@ -8,8 +8,8 @@
 # with the reason). Services are never started here (Debian's policy-rc.d in containers).
 set -u
 
-declare -A WANT=([prometheus]=/usr/bin/prometheus [promtool]=/usr/bin/promtool [haproxy]=/usr/sbin/haproxy)
-declare -A PACKAGE_OF=([prometheus]=prometheus [promtool]=prometheus [haproxy]=haproxy)
+declare -A WANT=([prometheus]=/usr/bin/prometheus [promtool]=/usr/bin/promtool [haproxy]=/usr/sbin/haproxy [redis-server]=/usr/bin/redis-server)
+declare -A PACKAGE_OF=([prometheus]=prometheus [promtool]=prometheus [haproxy]=haproxy [redis-server]=redis-server)
 
 missing=()
 for tool in "${!WANT[@]}"; do
