@@ -1,8 +1,9 @@
 """Report files of one simulated run, in the bench report layout.
 
 ``summary.json`` (bench schema + simulator keys), ``summary.md`` (the bench table plus
-a simulator section), ``backend_p95.png`` and ``backend_timeseries.png`` (mean and
-max utilisation and KV usage over time). With records (``keep_records``) also
+a simulator section), ``backend_p95.png`` (up to 64 backends) and
+``backend_timeseries.png`` (mean and max utilisation and KV usage over time). With
+records (``keep_records``) also
 ``requests.jsonl``, ``routing.csv`` and the TTFT / E2E CDF plots, through
 ``bench.report.write_report``.
 """
@@ -24,6 +25,8 @@ __all__ = ["sim_markdown", "write_sim_report"]
 
 logger = logging.getLogger(__name__)
 
+MAX_NUM_BACKEND_BARS = 64
+
 
 def write_sim_report(out_dir: str | Path, result: SimResult, *, plot: bool = True) -> list[Path]:
     """Write one run's report into ``out_dir``; returns the files written."""
@@ -36,9 +39,9 @@ def write_sim_report(out_dir: str | Path, result: SimResult, *, plot: bool = Tru
     write_json(out / "summary.json", summary)
     (out / "summary.md").write_text(sim_markdown(summary))
     if plot and plots.is_available():
-        plots.plot_backend_p95(
-            out / "backend_p95.png", _backend_p95(summary), title="P95 latency per backend"
-        )
+        p95 = _backend_p95(summary)
+        if len(p95["E2E P95"]) <= MAX_NUM_BACKEND_BARS:  # one bar per backend: small only
+            plots.plot_backend_p95(out / "backend_p95.png", p95, title="P95 latency per backend")
         _plot_timeseries(out / "backend_timeseries.png", result.timeseries)
     elif plot:
         logger.warning("matplotlib is not installed: skipping plots")
