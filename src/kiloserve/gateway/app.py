@@ -27,6 +27,8 @@ from kiloserve.errors import ConfigError, NotFoundError, PayloadTooLargeError, R
 from kiloserve.gateway.admin import add_admin_routes, config_hash
 from kiloserve.gateway.backends import BackendTable
 from kiloserve.gateway.config import GatewayConfig
+from kiloserve.gateway.dashboard import add_dashboard_routes
+from kiloserve.gateway.dashboard_state import DashboardRecorder
 from kiloserve.gateway.gatekeeper import FLOW_KEY, install_flow_control
 from kiloserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from kiloserve.gateway.profile import Profiler
@@ -136,6 +138,8 @@ def _decide(ctx: ProxyContext, info: RequestInfo, resilience: Resilience) -> tup
     ranked = resilience.admit(ranked, pool)
     if ranked:
         ctx.metrics.decision(decision.policy, ranked[0])
+        if ctx.dashboard is not None:
+            ctx.dashboard.note_decision(time.time(), info, decision, ranked)
     return ranked
 
 
@@ -307,6 +311,7 @@ def create_gateway_app(cfg: GatewayConfig, *, policy: Policy | None = None) -> w
         policy=chosen,
         profiler=Profiler(cfg),
         rng=random.Random(cfg.seed),
+        dashboard=DashboardRecorder(cfg.dashboard) if cfg.dashboard.enabled else None,
     )
     app = web.Application(client_max_size=cfg.max_body_bytes)
     app[CTX_KEY] = ctx
@@ -322,6 +327,7 @@ def create_gateway_app(cfg: GatewayConfig, *, policy: Policy | None = None) -> w
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     add_admin_routes(app, cfg, table, chosen.name)
+    add_dashboard_routes(app, ctx, app[RESILIENCE_KEY].describe)
     install_flow_control(app, ctx, cfg)
     app.on_startup.append(_on_startup)
     app.on_cleanup.append(_on_cleanup)

@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 from kiloserve.errors import ConfigError
+from kiloserve.gateway.dashboard_state import DashboardConfig
 from kiloserve.gateway.admission import AdmissionConfig
 from kiloserve.gateway.auth import AuthConfig
 from kiloserve.gateway.demotion import DemotionConfig
@@ -117,6 +118,7 @@ class GatewayConfig(_Strict):
     seed: int | None = None
     models: dict[str, ModelConfig] = Field(default_factory=dict)
     backends: list[BackendConfig] = Field(default_factory=list)
+    dashboard: DashboardConfig = Field(default_factory=DashboardConfig)  # docs/dashboard.md
     # admission and flow control, API keys, rate limits (docs/admission.md)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
@@ -159,6 +161,8 @@ def _model_at(loc: tuple[int | str, ...]) -> type[BaseModel]:
         return PolicyConfig
     if loc[:1] == ("models",):
         return ModelConfig
+    if loc[:1] == ("dashboard",):
+        return DashboardConfig
     return GatewayConfig
 
 

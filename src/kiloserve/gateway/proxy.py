@@ -21,6 +21,7 @@ from aiohttp import web
 from kiloserve.errors import BackendError
 from kiloserve.gateway.backends import BackendTable
 from kiloserve.gateway.config import GatewayConfig
+from kiloserve.gateway.dashboard_state import DashboardRecorder
 from kiloserve.gateway.metrics import GatewayMetrics
 from kiloserve.gateway.profile import Profiler
 from kiloserve.gateway.sse import SseRelay
@@ -49,6 +50,7 @@ class ProxyContext:
     profiler: Profiler
     rng: random.Random
     num_in_flight: int = 0
+    dashboard: DashboardRecorder | None = None  # live dashboard ring buffers (dashboard.py)
 
 
 @dataclass(slots=True)
