@@ -3,13 +3,15 @@
 #   prometheus  -> /usr/bin/prometheus and /usr/bin/promtool (tests/integration/test_prometheus.py,
 #                  tests/unit/test_deploy_manifests.py)
 #   haproxy     -> /usr/sbin/haproxy (tests/integration/test_multi_gateway.py)
+#   chromium, chromium-driver -> /usr/bin/chromium, /usr/bin/chromedriver (headless browser
+#                  for tests/integration/test_dashboard.py, driven by Selenium)
 # Idempotent and quiet: does nothing when every tool is present, runs `apt-get update` only
 # when a package is missing, and never fails the build (a test whose tool is absent skips
 # with the reason). Services are never started here (Debian's policy-rc.d in containers).
 set -u
 
-declare -A WANT=([prometheus]=/usr/bin/prometheus [promtool]=/usr/bin/promtool [haproxy]=/usr/sbin/haproxy [redis-server]=/usr/bin/redis-server)
-declare -A PACKAGE_OF=([prometheus]=prometheus [promtool]=prometheus [haproxy]=haproxy [redis-server]=redis-server)
+declare -A WANT=([prometheus]=/usr/bin/prometheus [promtool]=/usr/bin/promtool [haproxy]=/usr/sbin/haproxy [redis-server]=/usr/bin/redis-server [chromium]=/usr/bin/chromium [chromedriver]=/usr/bin/chromedriver)
+declare -A PACKAGE_OF=([prometheus]=prometheus [promtool]=prometheus [haproxy]=haproxy [redis-server]=redis-server [chromium]=chromium [chromedriver]=chromium-driver)
 
 missing=()
 for tool in "${!WANT[@]}"; do
