@@ -22,9 +22,9 @@ from pydantic import (
 )
 
 from kiloserve.errors import ConfigError
-from kiloserve.gateway.dashboard_state import DashboardConfig
 from kiloserve.gateway.admission import AdmissionConfig
 from kiloserve.gateway.auth import AuthConfig
+from kiloserve.gateway.dashboard_state import DashboardConfig
 from kiloserve.gateway.demotion import DemotionConfig
 from kiloserve.gateway.health import HealthConfig
 from kiloserve.gateway.outlier import OutlierConfig
@@ -118,11 +118,11 @@ class GatewayConfig(_Strict):
     seed: int | None = None
     models: dict[str, ModelConfig] = Field(default_factory=dict)
     backends: list[BackendConfig] = Field(default_factory=list)
-    dashboard: DashboardConfig = Field(default_factory=DashboardConfig)  # docs/dashboard.md
     # admission and flow control, API keys, rate limits (docs/admission.md)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     rate_limit: RateLimitConfig = Field(default_factory=RateLimitConfig)
+    dashboard: DashboardConfig = Field(default_factory=DashboardConfig)  # docs/dashboard.md
     # fault tolerance (docs/fault-tolerance.md)
     health: HealthConfig = Field(default_factory=HealthConfig)
     outlier: OutlierConfig = Field(default_factory=OutlierConfig)
