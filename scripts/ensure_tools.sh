@@ -3,6 +3,7 @@
 #   prometheus  -> /usr/bin/prometheus and /usr/bin/promtool (tests/integration/test_prometheus.py,
 #                  tests/unit/test_deploy_manifests.py)
 #   haproxy     -> /usr/sbin/haproxy (tests/integration/test_multi_gateway.py)
+#   etcd-server -> /usr/bin/etcd (tests/integration/test_etcd_registry.py, test_chaos.py etcd-down)
 #   chromium, chromium-driver -> /usr/bin/chromium, /usr/bin/chromedriver (headless browser
 #                  for tests/integration/test_dashboard.py, driven by Selenium)
 # Idempotent and quiet: does nothing when every tool is present, runs `apt-get update` only
@@ -10,8 +11,8 @@
 # with the reason). Services are never started here (Debian's policy-rc.d in containers).
 set -u
 
-declare -A WANT=([prometheus]=/usr/bin/prometheus [promtool]=/usr/bin/promtool [haproxy]=/usr/sbin/haproxy [redis-server]=/usr/bin/redis-server [chromium]=/usr/bin/chromium [chromedriver]=/usr/bin/chromedriver)
-declare -A PACKAGE_OF=([prometheus]=prometheus [promtool]=prometheus [haproxy]=haproxy [redis-server]=redis-server [chromium]=chromium [chromedriver]=chromium-driver)
+declare -A WANT=([prometheus]=/usr/bin/prometheus [promtool]=/usr/bin/promtool [haproxy]=/usr/sbin/haproxy [redis-server]=/usr/bin/redis-server [chromium]=/usr/bin/chromium [chromedriver]=/usr/bin/chromedriver [etcd]=/usr/bin/etcd)
+declare -A PACKAGE_OF=([prometheus]=prometheus [promtool]=prometheus [haproxy]=haproxy [redis-server]=redis-server [chromium]=chromium [chromedriver]=chromium-driver [etcd]=etcd-server)
 
 missing=()
 for tool in "${!WANT[@]}"; do
