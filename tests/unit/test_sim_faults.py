@@ -110,3 +110,20 @@ def test_slow_backend_gets_slower_and_least_request_shifts_load() -> None:
     shifted = _run([parse_fault("t=0,backend=h100-0,kind=slow,factor=4")], "least_request")
     counts = {b: block["count"] for b, block in shifted.summary["per_backend"].items()}  # type: ignore[union-attr]
     assert counts["h100-1"] > counts["h100-0"]
+
+
+def test_yaml_slowdown_fault_of_the_cluster_applies_from_the_start() -> None:
+    slowed = parse_cluster_config(
+        {
+            "backends": [
+                {"name": "h100", "gpu": "H100", "model": "llama-3.1-8b", "count": 2},
+                {"name": "slow", "gpu": "H100", "model": "llama-3.1-8b",
+                 "faults": {"slowdown": 3.0}},
+            ]
+        }
+    )  # fmt: skip
+    workload = load_workload(SPEC, seed=1, rate=20, num_requests=90, with_prompts=False)
+    per_backend = simulate(slowed, workload, "round_robin").summary["per_backend"]
+    slow_tpot = per_backend["slow"]["tpot_ms"]["p50"]  # type: ignore[index]
+    fast_tpot = per_backend["h100-0"]["tpot_ms"]["p50"]  # type: ignore[index]
+    assert slow_tpot > 2.5 * fast_tpot
