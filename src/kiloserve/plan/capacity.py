@@ -35,6 +35,7 @@ from kiloserve.errors import ConfigError
 __all__ = [
     "DEFAULT_MAX_NUM_PROBES",
     "DEFAULT_REL_TOLERANCE",
+    "PROBE_SPAN_KEY",
     "CapacityResult",
     "PercentileSlo",
     "Probe",
@@ -53,6 +54,7 @@ DEFAULT_REL_TOLERANCE = 0.05
 MIN_RATE_RPS = 1e-4
 FLOOR_IMPROVEMENT = 0.05
 DRAIN_SLACK = 0.1  # a queue growing 10% of the arrival span is overload
+PROBE_SPAN_KEY = "probe_arrival_span_s"  # set by rate-search probes (plan.pareto)
 KEEP_UP_FRACTION = 0.9  # achieved / offered rate above which latency is not queueing
 SLO_METRICS = ("ttft", "tpot", "itl", "e2e")
 SLO_PERCENTILES = (50, 90, 95, 99)
@@ -141,15 +143,16 @@ def slo_violations(summary: Mapping[str, Any], slo: PercentileSlo) -> list[str]:
 
 
 def _backlog_violation(summary: Mapping[str, Any]) -> str | None:
-    """A queue that outlives the arrivals: the last completion comes later than the
-    slowest request (E2E P99) plus ``DRAIN_SLACK`` of the arrival span after the last
-    arrival. Only for summaries that carry ``arrival_span_s`` (simulated probes)."""
-    span_s = summary.get("arrival_span_s")
+    """A queue that outlives the arrivals: the last completion comes later than twice
+    the E2E P99 plus ``DRAIN_SLACK`` of the arrival span after the last arrival. Only
+    for rate-search probes (``probe_arrival_span_s``); cluster runs are judged on their
+    percentiles alone (their longest request can outlast 2 x P99 by chance)."""
+    span_s = summary.get(PROBE_SPAN_KEY)
     e2e_p99_ms = (summary.get("e2e_ms") or {}).get("p99")
     if span_s is None or e2e_p99_ms is None or "duration_s" not in summary:
         return None
     drain_s = float(summary["duration_s"]) - float(span_s)
-    allowed_s = float(e2e_p99_ms) / 1000.0 + DRAIN_SLACK * float(span_s)
+    allowed_s = 2.0 * float(e2e_p99_ms) / 1000.0 + DRAIN_SLACK * float(span_s)
     if drain_s <= allowed_s:
         return None
     return f"backlog: {drain_s:.1f} s to drain after the last arrival (> {allowed_s:.1f} s)"

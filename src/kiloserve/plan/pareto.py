@@ -35,7 +35,7 @@ from rich.table import Table
 from kiloserve.bench.tables import fmt
 from kiloserve.errors import ConfigError
 from kiloserve.launch.config import ClusterConfig, parse_cluster_config
-from kiloserve.plan.capacity import PercentileSlo, Probe, slo_violations
+from kiloserve.plan.capacity import PROBE_SPAN_KEY, PercentileSlo, Probe, slo_violations
 from kiloserve.plan.planner import Deployment, cost_per_request
 from kiloserve.sim import simulate
 from kiloserve.workload import load_workload
@@ -108,7 +108,7 @@ def replica_probe(
     """A probe: the workload at a rate, simulated on ``cluster`` (one backend for the
     capacity search) with the default policy: ``num_requests`` requests, more if they
     would arrive within ``min_duration_s`` (a short burst hides a growing queue). The
-    summary gains ``arrival_span_s``, the last arrival time, for the keep-up check."""
+    summary gains ``PROBE_SPAN_KEY``, the last arrival time, for the backlog check."""
 
     def probe(rate_rps: float) -> dict[str, Any]:
         count = max(num_requests, math.ceil(rate_rps * min_duration_s))
@@ -117,7 +117,7 @@ def replica_probe(
         )
         span_s = max((s.arrival_s or 0.0 for s in workload), default=0.0)
         summary = simulate(cluster, workload, DEFAULT_POLICY, seed=seed).summary
-        return summary | {"arrival_span_s": span_s}
+        return summary | {PROBE_SPAN_KEY: span_s}
 
     return probe
 
