@@ -6,6 +6,7 @@ import argparse
 import signal
 import sys
 import threading
+import webbrowser
 from pathlib import Path
 from types import FrameType
 
@@ -24,6 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-gateway", action="store_true", help="start the engines only")
     p.add_argument("--policy", help="gateway routing policy (overrides the YAML)")
     p.add_argument("--port", type=int, help="gateway port (overrides the YAML; 0 = any free)")
+    p.add_argument("--open", action="store_true", help="open the gateway dashboard in a browser")
     p.add_argument("--run-dir", type=Path, help="folder for process logs (default: a temp dir)")
     p.add_argument(
         "--duration", type=float, help="stop by itself after this many seconds (default: Ctrl-C)"
@@ -65,6 +67,9 @@ def run(args: argparse.Namespace) -> int:
         console.print(backend_table(cluster))
         if cluster.gateway_url:
             console.print(f"gateway: [bold]{cluster.gateway_url}[/] (policy {cluster.policy})")
+            console.print(f"dashboard: [bold]{cluster.gateway_url}/dashboard[/]")
+            if args.open:
+                webbrowser.open(f"{cluster.gateway_url}/dashboard")
         console.print(f"logs: {cluster.run_dir}   press Ctrl-C to stop")
         sys.stdout.flush()
         return _watch(cluster, stop, args.duration, console)
