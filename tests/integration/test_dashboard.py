@@ -11,6 +11,9 @@ import contextlib
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -253,3 +256,47 @@ def _save_screenshot(driver: Any, tmp_path: Path) -> None:
     extra = os.environ.get(SCREENSHOT_ENV)
     if extra:
         shutil.copyfile(path, extra)
+
+
+# -- `kiloserve up` prints (and with --open, opens) the dashboard URL ------------------------
+
+
+@pytest.mark.timeout(90)
+def test_up_prints_and_opens_the_dashboard_url(tmp_path: Path) -> None:
+    cfg = tmp_path / "cluster.yaml"
+    cfg.write_text("backends:\n  - {name: one, gpu: H100, model: llama-3.1-8b}\n")
+    argv = [sys.executable, "-m", "kiloserve", "up", "-c", str(cfg), "--open", "--port", "0"]
+    argv += ["--duration", "60"]
+    env = {**os.environ, "BROWSER": "echo"}  # webbrowser runs `echo URL`: proves --open
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    try:
+        lines = _read_until(proc, "Ctrl-C", timeout_s=60)
+        url = next(ln.split()[-1] for ln in lines if ln.startswith("dashboard: "))
+        assert url.startswith("http://127.0.0.1:") and url.endswith("/dashboard"), lines
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            assert resp.status == 200 and b"dashboard/static/dashboard.js" in resp.read()
+        # `echo URL` writes straight to the pipe, so it may come before rich's lines
+        if url not in [ln.strip() for ln in lines]:
+            _read_until(proc, url, timeout_s=10, exact=True)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=30)
+    assert proc.returncode == 0
+
+
+def _read_until(
+    proc: subprocess.Popen[str], needle: str, timeout_s: float, exact: bool = False
+) -> list[str]:
+    assert proc.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if (line.strip() == needle) if exact else (needle in line):
+            return lines
+    raise AssertionError(f"no {needle!r} in the output of kiloserve up: {lines}")
