@@ -64,6 +64,7 @@ DEFAULT_POLICY = "default"
 MAX_NUM_PER_LINE = 256  # BackendSpec.count's limit
 MIN_NUM_REQUESTS = 200
 MAX_NUM_REQUESTS = 200_000  # bounds one cluster run's wall time (minutes, not hours)
+MAX_NUM_PROBE_REQUESTS = 20_000  # bounds one probe (a small model at 1,000 req/s)
 SECONDS_PER_DAY = 86_400.0
 
 
@@ -106,12 +107,13 @@ def replica_probe(
     seed: int = 0,
 ) -> Probe:
     """A probe: the workload at a rate, simulated on ``cluster`` (one backend for the
-    capacity search) with the default policy: ``num_requests`` requests, more if they
-    would arrive within ``min_duration_s`` (a short burst hides a growing queue). The
+    capacity search) with the default policy: ``num_requests`` requests, more (up to
+    ``MAX_NUM_PROBE_REQUESTS``) if they would arrive within ``min_duration_s`` (a short
+    burst hides a growing queue). The
     summary gains ``PROBE_SPAN_KEY``, the last arrival time, for the backlog check."""
 
     def probe(rate_rps: float) -> dict[str, Any]:
-        count = max(num_requests, math.ceil(rate_rps * min_duration_s))
+        count = max(num_requests, min(MAX_NUM_PROBE_REQUESTS, math.ceil(rate_rps * min_duration_s)))
         workload = load_workload(
             workload_spec, seed=seed, num_requests=count, rate=rate_rps, with_prompts=False
         )
