@@ -118,7 +118,7 @@ def health_of(
         return "stale", f"load unknown ({since})"
     if s.consecutive_errors:
         return "healthy", f"{s.consecutive_errors} failed requests in a row"
-    return "healthy", "scrapes, probes and requests succeed"
+    return "healthy", "all checks pass"
 
 
 def _weight_why(rec: BackendRecord, ft: Mapping[str, Any]) -> str:
@@ -236,8 +236,10 @@ def build_state(
     started_s: float,
     now_s: float,
     describe: Describe | None = None,
+    cfg_hash: str | None = None,
 ) -> dict[str, Any]:
-    """The JSON document behind the page (``GET /dashboard/state``)."""
+    """The JSON document behind the page (``GET /dashboard/state``); ``cfg_hash`` saves
+    hashing the config on every call."""
     table = ctx.table
     rows = [
         _backend_row(table.record(b), now_s, recorder, describe(b, now_s) if describe else {})
@@ -246,7 +248,7 @@ def build_state(
     return {
         "gateway": {
             "version": __version__,
-            "config_hash": config_hash(ctx.cfg),
+            "config_hash": cfg_hash or config_hash(ctx.cfg),
             "policy": ctx.policy.name,
             "uptime_s": round(now_s - started_s, 1),
             "refresh_interval_ms": recorder.cfg.refresh_interval_ms,
@@ -296,6 +298,7 @@ def add_dashboard_routes(
     html = _static_bytes("dashboard.html")
     assets = {name: (_static_bytes(name), ctype) for name, ctype in STATIC_FILES.items()}
     started_s = time.monotonic()
+    cfg_hash = config_hash(ctx.cfg)
     no_cache = {"Cache-Control": "no-cache"}
 
     async def page(request: web.Request) -> web.StreamResponse:
@@ -309,7 +312,7 @@ def add_dashboard_routes(
         return web.Response(body=found[0], content_type=found[1], headers=no_cache)
 
     async def state(request: web.Request) -> web.StreamResponse:
-        doc = build_state(ctx, recorder, started_s, time.monotonic(), describe)
+        doc = build_state(ctx, recorder, started_s, time.monotonic(), describe, cfg_hash)
         body = orjson.dumps(doc)
         return web.Response(body=body, content_type="application/json", headers=no_cache)
 

@@ -83,12 +83,21 @@ class LatencySamples:
         self._samples.append((now_s, value_ms))
 
     def p50_p95(self, now_s: float, window_s: float) -> tuple[float | None, float | None]:
-        """P50 and P95 of the samples taken in ``(now_s - window_s, now_s]``."""
+        """P50 and P95 (ms, 2 decimals) of the samples taken in ``(now_s - window_s, now_s]``.
+
+        Samples arrive in time order (completion order), so the scan stops at the
+        first one older than the window."""
         start_s = now_s - window_s
-        values = sorted(v for t, v in self._samples if start_s < t <= now_s)
+        values = []
+        for t, v in reversed(self._samples):  # newest first: stop at the window's start
+            if t <= start_s:
+                break
+            if t <= now_s:
+                values.append(v)
         if not values:
             return None, None
-        return percentile(values, 50.0), percentile(values, 95.0)
+        values.sort()
+        return round(percentile(values, 50.0), 2), round(percentile(values, 95.0), 2)
 
 
 class _BackendSeries:
@@ -179,9 +188,9 @@ class DashboardRecorder:
             rates[model] = (req, err)
             total_req += req
             total_err += err
-        self.pool_rates = rates
-        self.request_rate.append(total_req)
-        self.error_rate.append(total_err)
+        self.pool_rates = {m: (round(r, 3), round(e, 3)) for m, (r, e) in rates.items()}
+        self.request_rate.append(round(total_req, 3))
+        self.error_rate.append(round(total_err, 3))
 
     # -- views -------------------------------------------------------------------------
     def latency_view(self, backend_id: str) -> dict[str, list[float | None]]:

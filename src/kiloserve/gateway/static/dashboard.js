@@ -100,12 +100,12 @@
   function backendRow(b) {
     const badge = h("span", { cls: "badge state-" + b.state, text: b.state, title: b.state_why });
     const weight = h("span", { text: `${num(b.effective_weight)} of ${num(b.weight)}` });
-    const name = h("td", {}, [h("strong", { text: b.name }),
+    const name = h("td", { cls: "name" }, [h("strong", { text: b.name }),
       h("span", { cls: "why", text: [b.group, b.engine, b.version].filter(Boolean).join(" \u00b7 ") })]);
     const row = h("tr", { cls: b.routable ? "" : "not-routable", data: { backend: b.name, state: b.state } }, [
       name,
-      h("td", { text: b.pools.join(", ") || "(discovering)" }),
-      h("td", { text: b.gpu || "\u2013" }),
+      h("td", { cls: "nowrap", text: b.pools.join(", ") || "(discovering)" }),
+      h("td", { cls: "nowrap", text: b.gpu || "\u2013" }),
       withWhy(badge, b.state_why, "health"),
       withWhy(weight, b.weight_why, "weight"),
       h("td", { cls: "num", text: b.in_flight }),
