@@ -218,3 +218,24 @@ def test_ttft_scorer_gives_prefix_credit_only_below_saturation() -> None:
     assert policy.choose(r, s, random.Random(0)).ranked[0] == "holder"
     holder.kv_usage = 0.95  # saturated: no credit, and work / (1 - 0.95)
     assert policy.choose(r, s, random.Random(0)).ranked[0] == "other"
+
+
+def test_ttft_scorer_pools_learned_speed_per_gpu_type() -> None:
+    # Three H100s: one got lucky TTFTs (0.01 ms/token) but the H100 median is 0.05, so the
+    # lucky one does not draw every request (herding); the A100 stays slower than all.
+    policy = create_policy("scored", {"scorers": {"ttft": 1.0}})
+    speeds = {"h1": 10.0, "h2": 50.0, "h3": 50.0, "a1": 120.0}
+    pool = tuple(
+        backend(
+            bid,
+            gpu="A100" if bid.startswith("a") else "H100",
+            kv_usage=0.1,
+            ewma_ttft_ms=ms,
+            ewma_prefill_work_tokens=1000.0,
+        )
+        for bid, ms in speeds.items()
+    )
+    s = ClusterSnapshot(0.0, pool)
+    pool[0].outstanding_prefill_tokens = 1000  # the lucky one has work queued
+    ranked = policy.choose(req(input_tokens=1000), s, random.Random(0)).ranked
+    assert ranked[:2] == ("h2", "h3") and ranked[-1] == "a1"

@@ -28,6 +28,7 @@ lowers them; unknown scraped state scores 0 (saturated), never 1.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -136,8 +137,37 @@ def _saturation(b: BackendState) -> float:
     return max(share, b.kv_usage)
 
 
+def _median(values: list[float]) -> float:
+    values.sort()
+    return values[len(values) // 2]
+
+
+def _group_speeds(pool: list[BackendState]) -> list[float | None]:
+    """Learned prefill speed per backend, pooled over backends of the same GPU type.
+
+    Backends on the same hardware run at the same speed; one backend's EWMA is noisy,
+    and with hundreds of backends the luckiest estimate would draw every request
+    (herding). The median of the group's estimates is both steadier and truer.
+    Backends without a GPU label are shrunk halfway (geometric mean) towards the
+    median of the unlabelled ones.
+    """
+    own = [prefill_ms_per_token(b) for b in pool]
+    groups: dict[str, list[float]] = {}
+    for b, speed in zip(pool, own, strict=True):
+        if speed is not None:
+            groups.setdefault(b.gpu, []).append(speed)
+    medians = {gpu: _median(v) for gpu, v in groups.items()}
+    out: list[float | None] = []
+    for b, speed in zip(pool, own, strict=True):
+        if speed is None or b.gpu:
+            out.append(medians.get(b.gpu) if b.gpu else None)
+        else:
+            out.append(math.sqrt(speed * medians[""]))
+    return out
+
+
 def ttft_score(ctx: ScoringContext) -> list[float]:
-    speeds = [prefill_ms_per_token(b) for b in ctx.pool]
+    speeds = _group_speeds(ctx.pool)
     known = sorted(x for x in speeds if x is not None)
     fill = known[len(known) // 2] if known else 1.0
     tokens, depths, bs = ctx.request.input_tokens, ctx.prefix_depths, ctx.block_size
