@@ -157,12 +157,10 @@ def _num_running(url: str) -> float:
 
 def _hold(url: str, num_requests: int, max_tokens: int) -> list[threading.Thread]:
     """Long requests straight to one engine (not through the gateway), in threads."""
+    body = {"model": SERVED_MODEL, "prompt": PROMPT, "max_tokens": max_tokens, **NO_EOS}
 
     def one() -> None:
-        with openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0) as c:
-            c.completions.create(
-                model=SERVED_MODEL, prompt=PROMPT, max_tokens=max_tokens, extra_body=NO_EOS
-            )
+        http_json(url + "/v1/completions", body, timeout_s=240)
 
     threads = [threading.Thread(target=one, daemon=True) for _ in range(num_requests)]
     for t in threads:
@@ -171,31 +169,37 @@ def _hold(url: str, num_requests: int, max_tokens: int) -> list[threading.Thread
 
 
 def test_scraped_queueing_steers_load(vllm_cluster: LocalCluster, gateway: openai.OpenAI) -> None:
-    """vllm-a's visible queue (max-num-seqs 2) sends gateway traffic to vllm-b."""
+    """vllm-a's visible queue (max-num-seqs 2) sends gateway traffic to vllm-b.
+
+    Eight long requests go straight to vllm-a (2 run, 6 wait); while the gateway's
+    scraped view still shows vllm-a queueing, every gateway request must go to vllm-b.
+    """
     gw = vllm_cluster.gateway_url
     assert gw is not None
     url_a = _engine(vllm_cluster, "vllm-a")
-    threads = _hold(url_a, MAX_NUM_SEQS + 2, max_tokens=400)
+    threads = _hold(url_a, 4 * MAX_NUM_SEQS, max_tokens=440)
     try:
         wait_for(
-            lambda: metric_sum(http_text(url_a + "/metrics"), "vllm:num_requests_waiting") >= 1,
-            30,
+            lambda: metric_sum(http_text(url_a + "/metrics"), "vllm:num_requests_waiting") >= 2,
+            60,
             "vllm-a to queue requests",
         )
-        wait_for(lambda: (admin_backends(gw)["vllm-a"]["num_waiting"] or 0) >= 1, 5, "a scrape")
-        row = admin_backends(gw)["vllm-a"]
-        assert row["num_running"] == MAX_NUM_SEQS
+        wait_for(lambda: (admin_backends(gw)["vllm-a"]["num_waiting"] or 0) >= 2, 5, "a scrape")
+        assert admin_backends(gw)["vllm-a"]["num_running"] == MAX_NUM_SEQS
         served = []
-        for i in range(4):
+        for i in range(6):
+            if (admin_backends(gw)["vllm-a"]["num_waiting"] or 0) < 1:
+                break  # vllm-a drained: no longer a fair question
             # Fresh prompts: no prefix affinity to either engine, only load decides.
             raw = gateway.completions.with_raw_response.create(
                 model=SERVED_MODEL, prompt=f"steer {i} away", max_tokens=4, extra_body=NO_EOS
             )
             served.append(raw.headers["x-kiloserve-backend"])
-        assert served == ["vllm-b"] * 4
+        assert len(served) >= 2
+        assert served == ["vllm-b"] * len(served)
     finally:
         for t in threads:
-            t.join(timeout=120)
+            t.join(timeout=240)
 
 
 def test_disconnect_aborts_on_engine(vllm_cluster: LocalCluster, gateway: openai.OpenAI) -> None:
