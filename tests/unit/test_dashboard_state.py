@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from aiohttp.test_utils import make_mocked_request
 
 from kiloserve.errors import ConfigError
+from kiloserve.gateway.app import create_gateway_app
 from kiloserve.gateway.backends import BackendTable
 from kiloserve.gateway.config import parse_gateway_config
 from kiloserve.gateway.dashboard import health_of
@@ -116,3 +118,24 @@ def test_dashboard_config_is_strict_and_bounded() -> None:
         parse_gateway_config({"dashboard": {"refresh_interval_ms": 5000}})
     cfg = parse_gateway_config({})
     assert cfg.dashboard.enabled and not cfg.dashboard.allow_remote
+
+
+async def _status_from(remote: str, allow_remote: bool) -> int:
+    data = {"backends": [{"url": "http://127.0.0.1:1", "name": "x", "models": ["m"]}]}
+    cfg = parse_gateway_config({**data, "dashboard": {"allow_remote": allow_remote}})
+    app = create_gateway_app(cfg)
+    request = make_mocked_request("GET", "/dashboard/state", app=app).clone(remote=remote)
+    match = await app.router.resolve(request)
+    response = await match.handler(request)
+    return response.status
+
+
+@pytest.mark.parametrize(
+    ("remote", "allow_remote", "status"),
+    [("127.0.0.1", False, 200), ("::1", False, 200), ("10.0.0.9", False, 403),
+     ("10.0.0.9", True, 200)],
+)  # fmt: skip
+async def test_dashboard_is_loopback_only_unless_allowed(
+    remote: str, allow_remote: bool, status: int
+) -> None:
+    assert await _status_from(remote, allow_remote) == status
