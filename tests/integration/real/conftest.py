@@ -111,6 +111,9 @@ def cache_dir() -> Path:
 
 
 def read_real_env() -> RealEnv:
+    if os.environ.get("KILOSERVE_REAL_ENGINES") == "0":
+        off = "disabled by KILOSERVE_REAL_ENGINES=0"
+        return RealEnv("", "", "", "", off, off)
     path = cache_dir() / "real-engines.env"
     if not path.exists():
         missing = f"{path} missing: run `make real-engines` (scripts/real_engines.sh) first"
