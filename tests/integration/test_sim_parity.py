@@ -29,6 +29,7 @@ TOLERANCE = 0.10
 # the live cluster's "network": its delay is measured with a few tiny requests after
 # the run, on warm connections (live TTFT minus simulated TTFT at zero delay, halved).
 PROBE = "synthetic:input=32,output=2"
+DISTORTED = "live client distorted"
 NUM_PROBES = 8  # even: half on each backend, live (sent after the run) and simulated
 
 pytestmark = pytest.mark.timeout(120)
@@ -108,6 +109,8 @@ def _compare(cfg: ClusterConfig, run_dir: Path) -> list[str]:
     report.append(f"throughput: live {live_thr:.3f} sim {sim_thr:.3f}")
     if not _close(float(sim_thr), float(live_thr)):  # type: ignore[arg-type]
         mismatches.append(report[-1])
+    if mismatches and live.get("client_warning"):  # bench's validity check: client starved
+        mismatches.append(f"{DISTORTED}: {live['client_warning']}")
     print("\n".join(report))
     return mismatches
 
@@ -121,4 +124,6 @@ def test_sim_matches_live_twin_cluster(tmp_path: Path) -> None:
     if mismatches:
         print("latency mismatch, measuring the live cluster once more:", mismatches)
         mismatches = _compare(cfg, tmp_path / "logs-2")
+    if any(m.startswith(DISTORTED) for m in mismatches):
+        pytest.skip(f"live latencies invalid twice by bench's own check: {mismatches}")
     assert not mismatches, "; ".join(mismatches)
