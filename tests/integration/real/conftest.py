@@ -1,7 +1,7 @@
 """Fixtures for the real-engine tests: two vLLM (CPU) instances behind the gateway, llama.cpp.
 
 ``scripts/real_engines.sh`` (``make real-engines``) installs vLLM and builds llama-server
-into ``$KILOSERVE_CACHE`` (default ``<repo>/.cache``) and writes ``real-engines.env``;
+into ``$KILOSERVE_CACHE`` (default ``~/.cache/kiloserve``) and writes ``real-engines.env``;
 these fixtures read it. When something could not be installed the tests skip, all with
 the one reason the script recorded (``pytest -ra`` folds it into a single line).
 
@@ -107,7 +107,8 @@ class RealEnv:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("KILOSERVE_CACHE") or REPO / ".cache")
+    default = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kiloserve"
+    return Path(os.environ.get("KILOSERVE_CACHE") or default)
 
 
 def read_real_env() -> RealEnv:
