@@ -29,6 +29,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("kiloserve.bench.compare", "compare routing policies on a local twin cluster"),
     "sim": ("kiloserve.sim.cli", "simulate a cluster and gateway in simulated time"),
     "plan": ("kiloserve.plan.cli", "capacity planning: memory ledger, TP and replicas"),
+    "agent": ("kiloserve.agent.cli", "register one engine in etcd while it is healthy"),
+    "chaos": ("kiloserve.chaos.cli", "fault-injection drills on a local twin cluster"),
 }
 
 

@@ -98,3 +98,13 @@ def test_trial_released_when_client_leaves() -> None:
 def test_disabled_never_ejects() -> None:
     d = _detector(enabled=False)
     assert not _fail(d, "a", 0.0, 50)
+
+
+def test_passing_probe_closes_only_an_expired_ejection() -> None:
+    d = _detector()
+    _fail(d, "a", 0.0, 3)
+    assert not d.on_probe_success("a", 5.0)  # still inside its ejection time
+    assert d.state("a") is BreakerState.EJECTED
+    d.tick(10.0)
+    assert d.on_probe_success("a", 10.1)
+    assert d.state("a") is BreakerState.CLOSED

@@ -94,6 +94,7 @@ class BackendTable:
         self._pools: dict[str, tuple[BackendState, ...]] = {}
         self._pool_ids: dict[str, frozenset[str]] = {}
         self.completion_listeners: list[Callable[[str, Outcome], None]] = []
+        self.first_token_listeners: list[Callable[[str, float], None]] = []
         self._rebuild_pools()
 
     # -- lookup --------------------------------------------------------------------
@@ -162,6 +163,8 @@ class BackendTable:
         rec = self._records.get(backend_id)
         if rec is not None:
             note_first_token(rec.state, info, ttft_ms)
+            for listener in self.first_token_listeners:
+                listener(backend_id, ttft_ms)
 
     def on_complete(
         self, backend_id: str, info: RequestInfo, outcome: Outcome, *, had_first_token: bool

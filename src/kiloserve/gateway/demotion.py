@@ -42,7 +42,7 @@ class DemotionConfig(BaseModel):
     pool_factor: float | None = Field(default=2.5, gt=1.0)
     demoted_weight: float = Field(default=0.2, gt=0.0, le=1.0)
     window_s: float = Field(default=30.0, gt=0.0)
-    max_num_samples: int = Field(default=32, ge=1)
+    max_num_samples: int = Field(default=16, ge=1)
     min_num_samples: int = Field(default=5, ge=1)
     slow_start_s: float = Field(default=30.0, ge=0.0)
 

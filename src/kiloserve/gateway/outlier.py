@@ -13,7 +13,8 @@ Envoy's semantics, per backend:
   backend may be ejected, as in Envoy);
 * when the ejection expires the breaker is half-open: exactly one real request is let
   through (``try_trial``); its success closes the breaker, its failure re-ejects with a
-  longer back-off.
+  longer back-off. A passing active health probe also closes a half-open breaker
+  (``on_probe_success``), so a backend comes back even when no traffic tests it.
 
 No I/O and no clock reads: the gateway and the simulator pass ``now_s``.
 """
@@ -145,7 +146,7 @@ class OutlierDetector:
         b.state = BreakerState.CLOSED
         b.num_failures = 0
         b.healthy_since_s = now_s
-        logger.info("backend %s back in rotation (half-open trial succeeded)", backend_id)
+        logger.info("backend %s back in rotation (half-open check passed)", backend_id)
 
     def tick(self, now_s: float) -> list[str]:
         """Advance time: expired ejections turn half-open; returns the ids that did."""
@@ -158,6 +159,16 @@ class OutlierDetector:
                 b.num_ejections -= 1  # the multiplier decays while healthy
                 b.healthy_since_s = now_s
         return opened
+
+    def on_probe_success(self, backend_id: str, now_s: float) -> bool:
+        """An active probe passed: a half-open backend (ejection over) closes without
+        waiting for a trial request (Envoy's successful_active_health_check_uneject_host,
+        limited to expired ejections so the back-off still holds). True if it closed."""
+        b = self._get(backend_id)
+        if b.state is not BreakerState.HALF_OPEN or b.is_trial_in_flight:
+            return False
+        self._close(backend_id, b, now_s)
+        return True
 
     def _is_decay_due(self, b: _Breaker, now_s: float) -> bool:
         return b.num_ejections > 0 and now_s - b.healthy_since_s >= self.cfg.base_ejection_time_s

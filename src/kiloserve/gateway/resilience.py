@@ -8,7 +8,8 @@ into the live ``BackendTable``:
   unhealthy while any veto holds, whatever its scrapes say;
 * demotion sets ``effective_weight`` = base x weight factor, which every policy reads.
 
-It listens to every finished attempt (``table.completion_listeners``), runs a tick
+It listens to every first token and finished attempt (``table.first_token_listeners``,
+``table.completion_listeners``), runs a tick
 every ``_TICK_S`` (expired ejections turn half-open, demotion re-judged) and, through
 ``admit``, puts a half-open backend first in one request's ranked list: that request
 is its circuit-breaker trial, and if it fails the gateway's retry sends it on to the
@@ -62,6 +63,7 @@ class Resilience:
         self._prober: Prober | None = None
         self._task: asyncio.Task[None] | None = None
         table.completion_listeners.append(self.on_complete)
+        table.first_token_listeners.append(self.on_first_token)
         metrics.registry.register(_ResilienceCollector(self))
 
     # -- traffic -------------------------------------------------------------------
@@ -74,7 +76,11 @@ class Resilience:
         elif not self.outlier.is_ejected(backend_id):
             self.table.set_veto(backend_id, EJECT_VETO, False)
         if outcome.ok:
-            self.demoter.observe(backend_id, now_s, outcome.ttft_ms, outcome.tpot_ms)
+            self.demoter.observe(backend_id, now_s, None, outcome.tpot_ms)
+
+    def on_first_token(self, backend_id: str, ttft_ms: float) -> None:
+        """TTFT samples count at the first token: a slow node shows before it finishes."""
+        self.demoter.observe(backend_id, time.monotonic(), ttft_ms, None)
 
     def admit(self, ranked: tuple[str, ...], pool: frozenset[str]) -> tuple[str, ...]:
         """Put one half-open backend of ``pool`` first (its trial request), if any."""
@@ -108,6 +114,8 @@ class Resilience:
         key = (backend_id, "ok" if is_ok else "fail")
         self.num_probes[key] = self.num_probes.get(key, 0) + 1
         changed = self.probes.record(backend_id, is_ok)
+        if is_ok and self.outlier.on_probe_success(backend_id, time.monotonic()):
+            self.table.set_veto(backend_id, EJECT_VETO, False)
         if changed is False:
             logger.warning("backend %s failed its health probes (%s)", backend_id, why)
             self.table.set_veto(backend_id, PROBE_VETO, True)
