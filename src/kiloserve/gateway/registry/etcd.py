@@ -47,15 +47,15 @@ def _unb64(text: str) -> bytes:
     return base64.b64decode(text)
 
 
-def prefix_end(prefix: str) -> str:
-    """The ``range_end`` covering every key that starts with ``prefix``."""
+def prefix_end(prefix: str) -> bytes:
+    """The ``range_end`` covering every key that starts with ``prefix`` (UTF-8 bytes)."""
     raw = bytearray(prefix.encode())
     while raw and raw[-1] == 0xFF:
         raw.pop()
     if not raw:
-        return "\0"
+        return b"\0"
     raw[-1] += 1
-    return raw.decode("latin-1")
+    return bytes(raw)
 
 
 def _event(ev: dict[str, Any]) -> WatchEvent:
@@ -76,6 +76,7 @@ class EtcdClient:
         self._urls = [e if e.startswith("http") else f"http://{e}" for e in endpoints]
         self._session = session
         self._timeout_s = timeout_s
+        self._live_url = self._urls[0]  # the endpoint that answered last (watches use it)
 
     async def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         last = "no endpoint tried"
@@ -90,13 +91,14 @@ class EtcdClient:
                 continue
             if status != 200:
                 raise EtcdError(f"etcd {path} answered {status}: {data[:200]!r}")
+            self._live_url = url
             result: dict[str, Any] = orjson.loads(data)
             return result
         raise EtcdError(f"etcd unreachable ({last})")
 
     async def get_prefix(self, prefix: str) -> tuple[int, dict[str, bytes]]:
         """(store revision, {key: value}) of every key under ``prefix``."""
-        body = {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix).encode("latin-1"))}
+        body = {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))}
         data = await self._call("/v3/kv/range", body)
         kvs = {
             _unb64(kv["key"]).decode(): _unb64(kv.get("value", "")) for kv in data.get("kvs", [])
@@ -130,14 +132,14 @@ class EtcdClient:
         """Events under ``prefix`` from ``start_revision`` on; ends (EtcdError) on a cut."""
         create = {
             "key": _b64(prefix),
-            "range_end": _b64(prefix_end(prefix).encode("latin-1")),
+            "range_end": _b64(prefix_end(prefix)),
             "start_revision": str(start_revision),
         }
         body = orjson.dumps({"create_request": create})
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._timeout_s)
         try:
             async with self._session.post(
-                self._urls[0] + "/v3/watch", data=body, timeout=timeout
+                self._live_url + "/v3/watch", data=body, timeout=timeout
             ) as resp:
                 if resp.status != 200:
                     raise EtcdError(f"etcd watch answered {resp.status}")
