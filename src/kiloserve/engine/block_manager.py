@@ -117,31 +117,61 @@ class BlockManager:
         num_full_blocks = num_tokens // self.block_size
         if not self.enable_prefix_caching or num_full_blocks <= seq.num_hashed_blocks:
             return
+        hash_to_block, hashes = self._hash_to_block, self._hashes
+        block_table, block_hashes = seq.block_table, seq.block_hashes
         for index in range(seq.num_hashed_blocks, num_full_blocks):
-            block_hash = seq.block_hashes[index]
-            if block_hash not in self._hash_to_block:
-                block_id = seq.block_table[index]
-                self._hashes[block_id] = block_hash
-                self._hash_to_block[block_hash] = block_id
+            block_hash = block_hashes[index]
+            if block_hash not in hash_to_block:
+                block_id = block_table[index]
+                hashes[block_id] = block_hash
+                hash_to_block[block_hash] = block_id
         seq.num_hashed_blocks = num_full_blocks
 
     def deallocate(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks, last block first (so tail blocks are evicted first)."""
+        ref_counts, hashes = self._ref_counts, self._hashes
+        free_uncached, free_cached = self._free_uncached, self._free_cached
         for block_id in reversed(seq.block_table):
-            self._ref_counts[block_id] -= 1
-            if self._ref_counts[block_id] > 0:
+            num_refs = ref_counts[block_id] - 1
+            ref_counts[block_id] = num_refs
+            if num_refs > 0:
                 continue
-            if self._hashes[block_id] is None:
-                self._free_uncached.append(block_id)
+            if hashes[block_id] is None:
+                free_uncached.append(block_id)
             else:
-                self._free_cached[block_id] = None
+                free_cached[block_id] = None
         seq.block_table = []
         seq.num_hashed_blocks = 0
 
     def _grow(self, seq: Sequence, num_tokens: int) -> None:
-        for _ in range(self.num_blocks_for(num_tokens) - len(seq.block_table)):
+        num_new_blocks = -(-num_tokens // self.block_size) - len(seq.block_table)
+        if num_new_blocks == 1:
             seq.block_table.append(self._take_free())
+        elif num_new_blocks > 1:
+            seq.block_table += self._take_free_blocks(num_new_blocks)
         self.register_full_blocks(seq, num_tokens)
+
+    def _take_free_blocks(self, num_blocks: int) -> list[int]:
+        """``num_blocks`` calls of ``_take_free`` in one go (same ids, same order)."""
+        free_uncached, ref_counts = self._free_uncached, self._ref_counts
+        num_reused = min(num_blocks, len(free_uncached))
+        split = len(free_uncached) - num_reused
+        taken = free_uncached[split:][::-1]
+        del free_uncached[split:]
+        for block_id in taken:
+            ref_counts[block_id] = 1
+        num_fresh = min(num_blocks - num_reused, self._num_fresh_blocks)
+        if num_fresh > 0:
+            first_id = len(ref_counts)
+            taken += range(first_id, first_id + num_fresh)
+            ref_counts += [1] * num_fresh
+            self._hashes += [None] * num_fresh
+            self._num_fresh_blocks -= num_fresh
+        for _ in range(num_blocks - num_reused - num_fresh):
+            block_id = self._evict_lru()
+            ref_counts[block_id] = 1
+            taken.append(block_id)
+        return taken
 
     def _take_cached(self, block_id: int) -> None:
         if self._ref_counts[block_id] == 0:
