@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +38,42 @@ from kiloserve.gateway.scrape import parse_engine_metrics  # noqa: E402
 from kiloserve.launch.cluster import LocalCluster  # noqa: E402
 from kiloserve.launch.config import ClusterConfig  # noqa: E402
 from kiloserve.workload import ClosedLoop, OpenLoop, load_workload  # noqa: E402
+from kiloserve.workload.request import RequestSpec, Workload  # noqa: E402
 
 MODEL = "Qwen2-7B"  # the catalog name of qwen2.5-7b, served as such by the twins
-WORKLOAD = "mix:longdoc=0.2,chat=0.3,short=0.5"
+SHORT = "synthetic:input=uniform(16,127),output=uniform(10,50)"
+LONG = "synthetic:input=lognormal(1200,0.5),output=lognormal(600,0.5)"  # decode-heavy: KV-bound
 GPU, CATALOG_MODEL, KV_TOKENS = "A10", "qwen2.5-7b", 42032
 SHORT_MAX_TOKENS = 128
 SLO_TTFT_S, SLO_TPOT_S = 2.0, 0.15
+
+
+def mixed_workload(seed: int, rate: float | None, duration_s: float | None) -> Workload:
+    """Half short prompts, half long decode-heavy requests, merged by arrival time."""
+    half = None if rate is None else rate / 2
+    num = None if duration_s is not None else 2_000
+    parts = [
+        (name, load_workload(spec, seed=seed + i, rate=half, duration_s=duration_s,
+                             num_requests=num))
+        for i, (name, spec) in enumerate((("short", SHORT), ("long", LONG)))
+    ]  # fmt: skip
+
+    def make_iter() -> Iterator[RequestSpec]:
+        tagged = [
+            dataclasses.replace(r, request_id=f"{name}-{r.request_id}")
+            for name, wl in parts
+            for r in wl
+        ]
+        if rate is None:  # closed loop: alternate
+            tagged.sort(key=lambda r: int(r.request_id.rsplit("-", 1)[-1]))
+        else:
+            tagged.sort(key=lambda r: r.arrival_s or 0.0)
+        return iter(tagged)
+
+    total = sum(wl.num_requests or 0 for _, wl in parts)
+    return Workload(
+        "flow-mix", seed, make_iter, num_requests=total, params={"short": SHORT, "long": LONG}
+    )
 
 
 def cluster_config(num_backends: int) -> ClusterConfig:
@@ -59,6 +91,8 @@ def admission_options(on: bool, args: argparse.Namespace) -> dict[str, Any]:
     capacity = {
         "default_kv_capacity_tokens": KV_TOKENS,
         "kv_budget_frac": args.kv_budget_frac,
+        "kv_estimate": args.kv_estimate,
+        "decode_growth_frac": args.decode_growth_frac,
         "max_in_flight_per_backend": 256,
         "reduced_max_in_flight": 64,
     }
@@ -129,7 +163,7 @@ def start_cluster(args: argparse.Namespace, on: bool, tag: str) -> LocalCluster:
 
 def probe_capacity(args: argparse.Namespace) -> float:
     """Completed requests/s at saturation (closed loop, flow control off)."""
-    wl = load_workload(WORKLOAD, seed=args.seed + 1, num_requests=100_000)
+    wl = mixed_workload(args.seed + 1, None, None)
     with start_cluster(args, False, "probe") as c:
         assert c.gateway_url is not None
         result = asyncio.run(run_bench(c.gateway_url, MODEL, wl, ClosedLoop(args.probe_concurrency),
@@ -170,13 +204,18 @@ def summarize(run: dict[str, Any], duration_s: float, max_wait_s: float) -> dict
         "mean_kv_usage": float(np.mean(run["kv"])) if run["kv"] else float("nan"),
         "preemptions": run["preemptions"],
         "preemptions_per_request": run["preemptions"] / max(1, len(records)),
+        "num_rejected": sum(1 for r in records if r.status in (429, 503)),
+        "num_rejected_short": sum(
+            1 for r in records if r.status in (429, 503) and r.input_tokens < SHORT_MAX_TOKENS
+        ),
+        "max_reject_s": max((r.e2e_s or 0.0 for r in records if r.status in (429, 503)), default=0),
         "num_unended": len(unended),
         "num_late_rejects": len(slow_rejects),
     }
 
 
 def one_mode(args: argparse.Namespace, on: bool, rate: float) -> dict[str, Any]:
-    wl = load_workload(WORKLOAD, seed=args.seed, duration_s=args.duration, rate=rate)
+    wl = mixed_workload(args.seed, rate, args.duration)
     tag = "on" if on else "off"
     with start_cluster(args, on, tag) as c:
         assert c.gateway_url is not None
@@ -209,10 +248,12 @@ def report(off: dict[str, Any], on: dict[str, Any], rate: float, capacity: float
     )
     print(f"goodput (SLO TTFT<={SLO_TTFT_S}s, TPOT<={SLO_TPOT_S}s) on/off = {r_good:.2f}  "
           f"(target >= 1.30: {verdict(r_good >= 1.3)})")  # fmt: skip
-    print(f"mean KV usage on             = {on['mean_kv_usage']:.1%}  "
-          f"(target >= 85%: {verdict(on['mean_kv_usage'] >= 0.85)}; off {off['mean_kv_usage']:.1%})")  # fmt: skip
+    kv_on, kv_off = on["mean_kv_usage"], off["mean_kv_usage"]
+    print(f"mean KV usage on             = {kv_on:.1%}  "
+          f"(target >= 85%: {verdict(kv_on >= 0.85)}; off {kv_off:.1%})")  # fmt: skip
+    pre_on, pre_off = on["preemptions_per_request"], off["preemptions_per_request"]
     print(f"preemptions/request on/off   = {r_pre:.2f}  (target <= 0.50: {verdict(r_pre <= 0.5)})"
-          f"  [{on['preemptions_per_request']:.3f} vs {off['preemptions_per_request']:.3f}]")  # fmt: skip
+          f"  [{pre_on:.3f} vs {pre_off:.3f}]")  # fmt: skip
     print(f"every request ended in time  = {ended}  (target: True: {verdict(ended)})")
 
 
@@ -222,11 +263,13 @@ def main() -> int:
     p.add_argument("--warmup", type=float, default=10.0, help="seconds before KV sampling")
     p.add_argument("--overload", type=float, default=1.5)
     p.add_argument("--capacity", type=float, default=None, help="skip the probe (req/s)")
-    p.add_argument("--probe-s", type=float, default=40.0)
-    p.add_argument("--probe-concurrency", type=int, default=96)
+    p.add_argument("--probe-s", type=float, default=90.0)
+    p.add_argument("--probe-concurrency", type=int, default=128)
     p.add_argument("--num-backends", type=int, default=2)
-    p.add_argument("--kv-budget-frac", type=float, default=1.2)
-    p.add_argument("--max-queue-wait-s", type=float, default=20.0)
+    p.add_argument("--kv-budget-frac", type=float, default=0.97)
+    p.add_argument("--kv-estimate", choices=["reserved", "scraped"], default="scraped")
+    p.add_argument("--decode-growth-frac", type=float, default=0.25)
+    p.add_argument("--max-queue-wait-s", type=float, default=1.5)
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--only", choices=["on", "off"], default=None)
     p.add_argument("--out", type=Path, default=REPO / "runs" / "flow-control")

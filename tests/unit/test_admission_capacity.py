@@ -52,3 +52,18 @@ def test_unknown_capacity_falls_back_to_the_in_flight_cap() -> None:
     assert not has_room(s, cfg, 1, reserved_tokens=0, num_in_flight=2).is_free
     with_default = CapacityConfig(default_kv_capacity_tokens=100, kv_budget_frac=1.0)
     assert not has_room(s, with_default, 50, reserved_tokens=80, num_in_flight=1).is_free
+
+
+def test_scraped_estimate_adds_what_the_engine_does_not_hold_yet() -> None:
+    cfg = CapacityConfig(kv_budget_frac=1.0, kv_estimate="scraped")
+    s = BackendState("b", kv_capacity_tokens=1000, kv_usage=0.5)
+    # reservations say 900 (peak), but the engine holds 500 and 200 are still to come
+    room = has_room(
+        s, cfg, need_tokens=250, reserved_tokens=900, num_in_flight=3, pending_tokens=200
+    )
+    assert room.is_free and room.free_tokens == 300
+    assert not has_room(
+        s, cfg, 350, reserved_tokens=900, num_in_flight=3, pending_tokens=200
+    ).is_free
+    stale = BackendState("b", kv_capacity_tokens=1000, kv_usage=None)  # no scrape: reservations
+    assert not has_room(stale, cfg, 250, reserved_tokens=900, num_in_flight=3).is_free

@@ -20,8 +20,10 @@ Order of release, best first (``pick``):
   window closes, then released smallest memory need first while budget remains.
 
 A request is released only if ``fits`` says some backend has room; a smaller one may
-pass a larger one that does not fit, except that no request may pass one that has
-waited ``starvation_s`` (ageing: nothing starves).
+pass a larger one that does not fit, except that once a request has waited
+``starvation_s`` only short-lane requests may pass it (their KV footprint is tiny, so
+the starving one still gets the memory that frees up: nothing starves, and short
+requests are never stuck behind a long one).
 """
 
 from __future__ import annotations
@@ -210,6 +212,10 @@ class PoolQueue:
         order = float(w.need_tokens) if cfg.window_s > 0 else float(_LANE_RANK[w.lane])
         return (starving, cls, order, self._fair.vtime(w.tenant), w.enqueued_s)
 
+    def min_need_tokens(self, now_s: float) -> int | None:
+        """The smallest memory need among waiters eligible now (a cheap "anything fits?")."""
+        return min((w.need_tokens for w in self._waiters if w.eligible_s <= now_s), default=None)
+
     def ordered(self, now_s: float) -> list[Waiter]:
         """Waiters eligible now, best first."""
         ready = [w for w in self._waiters if w.eligible_s <= now_s]
@@ -223,7 +229,14 @@ class PoolQueue:
                 self._release(w)
                 return w
             if now_s - w.enqueued_s >= self.cfg.starvation_s:
-                return None  # a starving request is never passed
+                return self._pick_short(now_s, fits)  # only short requests pass a starving one
+        return None
+
+    def _pick_short(self, now_s: float, fits: Callable[[Waiter], bool]) -> Waiter | None:
+        for w in self.ordered(now_s):
+            if w.lane == "short" and fits(w):
+                self._release(w)
+                return w
         return None
 
     def _release(self, w: Waiter) -> None:

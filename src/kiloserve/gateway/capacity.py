@@ -7,10 +7,13 @@ no I/O, so the simulator can reuse them.
   With a known KV size per token that is ``tokens * kv_bytes_per_token`` bytes;
   without one the seed-000 calibration is the fallback:
   ``input * 200 KB + output * 1500 KB``.
-* A backend's used KV is the larger of what its engine reports
-  (``kv_usage * kv_capacity_tokens``) and what the gateway has reserved for the
-  requests it sent there and that are still in flight (the engine's figure lags by a
-  scrape interval; the reservation does not).
+* A backend's used KV (``kv_estimate: reserved``, the default) is the larger of what
+  its engine reports (``kv_usage * kv_capacity_tokens``) and what the gateway has
+  reserved (peak need) for the requests it sent there that are still in flight (the
+  engine's figure lags by a scrape interval; the reservation does not).
+  ``kv_estimate: scraped`` packs tighter: the engine's figure plus what it does not
+  hold yet (prompts not yet prefilled, ``decode_growth_frac`` of the expected output of
+  the requests in flight, requests sent since the scrape).
 * The in-flight cap per backend is ``max_in_flight_per_backend``, reduced to
   ``reduced_max_in_flight`` while the backend is over its KV budget or its scraped KV
   usage is above ``kv_high_watermark`` (S2.3, per backend, not global).
@@ -19,6 +22,7 @@ no I/O, so the simulator can reuse them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -45,6 +49,8 @@ class CapacityConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     kv_budget_frac: float = Field(default=0.95, gt=0.0, le=4.0)
+    kv_estimate: Literal["reserved", "scraped"] = "reserved"
+    decode_growth_frac: float = Field(default=0.5, ge=0.0, le=1.0)
     kv_high_watermark: float = Field(default=0.85, gt=0.0, le=1.0)
     max_in_flight_per_backend: int = Field(default=256, ge=1)
     reduced_max_in_flight: int = Field(default=16, ge=1)
@@ -84,9 +90,18 @@ def capacity_tokens(s: BackendState, cfg: CapacityConfig) -> int | None:
     return cfg.default_kv_capacity_tokens
 
 
-def used_tokens(s: BackendState, capacity: int, reserved_tokens: int) -> int:
-    """KV in use: the engine's figure or the gateway's reservations, whichever is larger."""
-    scraped = 0 if s.kv_usage is None else round(s.kv_usage * capacity)
+def used_tokens(
+    s: BackendState, cfg: CapacityConfig, capacity: int, reserved_tokens: int, pending_tokens: int
+) -> int:
+    """KV in use (or promised). ``reserved``: the engine's figure or the gateway's peak
+    reservations, whichever is larger. ``scraped``: the engine's figure plus
+    ``pending_tokens``, what the engine does not hold yet (prompts not prefilled, half
+    the expected output, requests sent since the scrape); reservations when stale."""
+    if s.kv_usage is None:
+        return reserved_tokens
+    scraped = round(s.kv_usage * capacity)
+    if cfg.kv_estimate == "scraped":
+        return scraped + pending_tokens
     return max(scraped, reserved_tokens)
 
 
@@ -104,6 +119,7 @@ def has_room(
     need_tokens: int,
     reserved_tokens: int,
     num_in_flight: int,
+    pending_tokens: int = 0,
 ) -> Room:
     """Can ``s`` take a request needing ``need_tokens`` of KV right now?
 
@@ -115,7 +131,7 @@ def has_room(
         cap = cfg.max_in_flight_per_backend
         return Room(num_in_flight < cap, cap, None, "" if num_in_flight < cap else "in_flight_cap")
     budget = int(capacity * cfg.kv_budget_frac)
-    free = budget - used_tokens(s, capacity, reserved_tokens)
+    free = budget - used_tokens(s, cfg, capacity, reserved_tokens, pending_tokens)
     cap = in_flight_cap(s, cfg, is_over_budget=free < 0)
     if num_in_flight >= cap:
         return Room(False, cap, free, "in_flight_cap")

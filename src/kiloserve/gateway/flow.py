@@ -42,6 +42,7 @@ class Admission:
     backend_id: str
     need_tokens: int
     waited_s: float = 0.0
+    is_dispatched: bool = False
 
 
 class AdmissionMetrics(Collector):
@@ -103,6 +104,7 @@ class AdmissionController:
         self.queues: dict[str, PoolQueue] = {}
         self.reserved_tokens: dict[str, int] = {}
         self.num_in_flight: dict[str, int] = {}
+        self.undispatched_tokens: dict[str, int] = {}  # granted, not yet sent (scraped mode)
         self.metrics = AdmissionMetrics(self)
         self._infos: dict[int, RequestInfo] = {}
 
@@ -114,9 +116,11 @@ class AdmissionController:
             s = self.table.state(bid)
             if not s.is_routable:
                 continue
+            growth = int(s.outstanding_decode_tokens * cap.decode_growth_frac)
+            pending = s.outstanding_prefill_tokens + growth + self.undispatched_tokens.get(bid, 0)
             room = has_room(
                 s, cap, need_tokens, self.reserved_tokens.get(bid, 0),
-                self.num_in_flight.get(bid, 0),
+                self.num_in_flight.get(bid, 0), pending,
             )  # fmt: skip
             if room.is_free:
                 out.add(bid)
@@ -137,7 +141,16 @@ class AdmissionController:
         bid = ordered[0]
         self.reserved_tokens[bid] = self.reserved_tokens.get(bid, 0) + need_tokens
         self.num_in_flight[bid] = self.num_in_flight.get(bid, 0) + 1
+        self.undispatched_tokens[bid] = self.undispatched_tokens.get(bid, 0) + need_tokens
         return Admission(tuple(ordered + rest), bid, need_tokens)
+
+    def dispatched(self, adm: Admission) -> None:
+        """The proxy is sending it now: the backend's own counters take over."""
+        if not adm.is_dispatched:
+            adm.is_dispatched = True
+            bid = adm.backend_id
+            left = self.undispatched_tokens.get(bid, 0) - adm.need_tokens
+            self.undispatched_tokens[bid] = max(0, left)
 
     def done(self, adm: Admission) -> None:
         """The request ended: give back its reservation and release waiters."""
@@ -145,6 +158,7 @@ class AdmissionController:
         self.pump(time.monotonic())
 
     def _unreserve(self, adm: Admission) -> None:
+        self.dispatched(adm)
         bid = adm.backend_id
         self.reserved_tokens[bid] = max(0, self.reserved_tokens.get(bid, 0) - adm.need_tokens)
         self.num_in_flight[bid] = max(0, self.num_in_flight.get(bid, 0) - 1)
@@ -199,13 +213,14 @@ class AdmissionController:
                 pass
 
     def _release_one(self, model: str, q: PoolQueue, now_s: float) -> bool:
+        smallest = q.min_need_tokens(now_s)
+        if smallest is None or not self._roomy(model, smallest):
+            return False  # nothing eligible fits anywhere: skip the sort
         placed: list[Admission] = []
 
         def fits(w: Waiter) -> bool:
             info = self._infos.get(id(w))
-            if info is None or not self._roomy(info.model, w.need_tokens):
-                return False
-            adm = self._place(info, w.need_tokens)
+            adm = None if info is None else self._place(info, w.need_tokens)
             if adm is not None:
                 placed.append(adm)
             return adm is not None

@@ -202,6 +202,7 @@ class FlowControl:
             self.ctx.metrics.request_done(info.model, "", exc.status)
             return _error(exc, info.request_id, str(self.cfg.admission.retry_after_s))
         try:
+            self.admission.dispatched(adm)  # forward counts it on the backend before any await
             return await dispatch(adm.backend_id)
         finally:
             self.admission.done(adm)
