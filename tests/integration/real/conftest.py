@@ -175,7 +175,10 @@ def vllm_cluster(
     cfg = parse_cluster_config(
         {
             "name": "real-vllm",
-            "gateway": {"port": 0, "policy": "default"},
+            # least_request routes on the scraped running + waiting alone, so the
+            # routing test checks exactly that signal (the default policy weighs a
+            # learned TTFT above it: see docs/real-engines.md).
+            "gateway": {"port": 0, "policy": "least_request"},
             "backends": [
                 vllm_backend("vllm-a", real_env, 0),
                 # 5 KV blocks of 128 tokens (4 usable): preemption is reachable
@@ -188,7 +191,10 @@ def vllm_cluster(
         cfg,
         run_dir=tmp_path_factory.mktemp("vllm-cluster"),
         start_timeout_s=START_TIMEOUT_S,
-        gateway_options={"scrape_interval_s": 0.1, "stale_after_s": 2.0},
+        # vLLM's CPU build can take over a second to render /metrics when the cores are
+        # busy (its API server is not pinned); a 0.5 s scrape time-out would mark an
+        # idle engine unknown and steer traffic away from it.
+        gateway_options={"scrape_interval_s": 0.1, "scrape_timeout_s": 3.0, "stale_after_s": 10.0},
     )
     with cluster:
         yield cluster

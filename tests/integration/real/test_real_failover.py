@@ -20,7 +20,7 @@ from kiloserve.launch.cluster import LocalCluster
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(300)]
 
 NUM_WORKERS = 3
-NUM_REQUESTS_PER_WORKER = 12
+MIN_REQUESTS_AFTER_KILL = 12
 
 
 @dataclass(frozen=True)
@@ -30,9 +30,13 @@ class Outcome:
     error: str | None
 
 
-def _worker(gateway_url: str, outcomes: list[Outcome], lock: threading.Lock) -> None:
+def _worker(
+    gateway_url: str, outcomes: list[Outcome], lock: threading.Lock, stop: threading.Event
+) -> None:
     with openai.OpenAI(base_url=gateway_url + "/v1", api_key="none", max_retries=0) as client:
-        for i in range(NUM_REQUESTS_PER_WORKER):
+        i = 0
+        while not stop.is_set():
+            i += 1
             start_s = time.monotonic()
             try:
                 raw = client.completions.with_raw_response.create(
@@ -57,25 +61,37 @@ def test_engine_killed_mid_run_fails_over(vllm_cluster: LocalCluster) -> None:
     assert victim.pid is not None
     outcomes: list[Outcome] = []
     lock = threading.Lock()
+    stop = threading.Event()
     workers = [
-        threading.Thread(target=_worker, args=(gw, outcomes, lock)) for _ in range(NUM_WORKERS)
+        threading.Thread(target=_worker, args=(gw, outcomes, lock, stop))
+        for _ in range(NUM_WORKERS)
     ]
     for w in workers:
         w.start()
-    wait_for(lambda: len(outcomes) >= NUM_WORKERS * 2, 120, "the run to get going")
-    killed_s = time.monotonic()
-    os.killpg(victim.pid, signal.SIGKILL)  # the API server and its engine core, no goodbye
-    for w in workers:
-        w.join(timeout=240)
+    try:
+        wait_for(
+            lambda: {o.backend for o in outcomes} >= {"vllm-a", "vllm-b"},
+            120,
+            "both engines to serve the run",
+        )
+        killed_s = time.monotonic()
+        os.killpg(victim.pid, signal.SIGKILL)  # the API server and its engine core, no goodbye
+        wait_for(
+            lambda: sum(1 for o in outcomes if o.start_s >= killed_s) >= MIN_REQUESTS_AFTER_KILL,
+            180,
+            "requests after the kill",
+        )
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(timeout=240)
     assert not any(w.is_alive() for w in workers)
     before = [o for o in outcomes if o.start_s < killed_s]
     after = [o for o in outcomes if o.start_s >= killed_s]
-    assert {o.backend for o in before if o.backend} == {"vllm-a", "vllm-b"}
-    assert len(after) >= NUM_WORKERS * 4
     # Every request sent after the kill is served, by the survivor.
     assert [o.error for o in after] == [None] * len(after)
     assert {o.backend for o in after} == {"vllm-a"}
     # At most the requests in flight on vllm-b at the kill fail (their stream was cut).
     assert sum(1 for o in before if o.error) <= NUM_WORKERS
-    wait_for(lambda: not admin_backends(gw)["vllm-b"]["healthy"], 10, "vllm-b marked down")
+    wait_for(lambda: not admin_backends(gw)["vllm-b"]["healthy"], 20, "vllm-b marked down")
     assert ("vllm-b", -signal.SIGKILL) in vllm_cluster.crashed()

@@ -181,7 +181,7 @@ def run_vllm(url: str, batches: list[list[tuple[list[int], int]]]) -> PhaseResul
             t.start()
         while any(t.is_alive() for t in threads):
             _sample(url, out)
-            time.sleep(0.005)
+            time.sleep(0.02)
         out.duration_s += time.monotonic() - started_s
         assert errors == []
         wait_for(lambda: _idle(url), 10, "vLLM to go idle")

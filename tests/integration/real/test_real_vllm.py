@@ -195,8 +195,10 @@ def test_scraped_queueing_steers_load(vllm_cluster: LocalCluster, gateway: opena
                 model=SERVED_MODEL, prompt=f"steer {i} away", max_tokens=4, extra_body=NO_EOS
             )
             served.append(raw.headers["x-kiloserve-backend"])
-        assert len(served) >= 2
-        assert served == ["vllm-b"] * len(served)
+        keys = ("num_running", "num_waiting", "scrape_age_s", "last_scrape_error", "healthy")
+        rows = {n: {k: r[k] for k in keys} for n, r in admin_backends(gw).items()}
+        assert len(served) >= 2, rows
+        assert served == ["vllm-b"] * len(served), rows
     finally:
         for t in threads:
             t.join(timeout=240)
