@@ -172,8 +172,15 @@ class Scheduler:
         running = self.running
         if not running or len(running) > self.config.max_num_batched_tokens:
             return 0
-        max_steps = min((seq.num_remaining_output_tokens for seq in running), default=0)
-        if not all(seq.is_decoding for seq in running) or self._may_admit_during_decodes():
+        max_steps = -1
+        for seq in running:
+            num_output = len(seq.output_token_ids)
+            if not num_output or seq.num_computed_tokens != seq.num_tokens - 1:
+                return 0  # not decoding (seq.is_decoding, inlined)
+            num_remaining = seq.max_tokens - num_output
+            if max_steps < 0 or num_remaining < max_steps:
+                max_steps = num_remaining
+        if self._may_admit_during_decodes():
             return 0
         return self._max_steps_within_free_blocks(max_steps)
 
@@ -190,10 +197,10 @@ class Scheduler:
 
     def _num_blocks_for_decodes(self, num_steps: int) -> int:
         size = self.config.block_size
-        return sum(
-            -(-(seq.num_computed_tokens + num_steps) // size) - len(seq.block_table)
-            for seq in self.running
-        )
+        num_blocks = 0
+        for seq in self.running:
+            num_blocks += -(-(seq.num_computed_tokens + num_steps) // size) - len(seq.block_table)
+        return num_blocks
 
     def _may_admit_during_decodes(self) -> bool:
         """Whether the waiting head could be admitted while the batch only decodes.
@@ -244,15 +251,20 @@ class Scheduler:
         Blocks are added and registered in the order single steps would do it (by step,
         then batch position), so the cache ends in exactly the same state.
         """
-        seqs = list(self.running)
-        finished = [seq for seq in seqs if seq.num_remaining_output_tokens == num_steps]
+        seqs = self.running  # finish() rebinds self.running, never mutates this list
+        finished: list[Sequence] = []
         for seq in seqs:
+            if seq.max_tokens - len(seq.output_token_ids) == num_steps:
+                finished.append(seq)
             seq.append_output_tokens(num_steps)  # hashes must exist before registering
-        for kind, index, num_tokens in self._decode_block_events(seqs, num_steps):
-            if kind == _ALLOCATE:
-                self.block_manager.append_block(seqs[index])
-            else:
-                self.block_manager.register_full_blocks(seqs[index], num_tokens)
+        events = self._decode_block_events(seqs, num_steps)
+        if events:
+            manager = self.block_manager
+            for kind, index, num_tokens in events:
+                if kind == _ALLOCATE:
+                    manager.append_block(seqs[index])
+                else:
+                    manager.register_full_blocks(seqs[index], num_tokens)
         for seq in seqs:
             seq.num_computed_tokens += num_steps
         self.finish(finished, None)
@@ -267,12 +279,16 @@ class Scheduler:
         keyed: list[tuple[int, int, int, int]] = []
         for index, seq in enumerate(seqs):
             computed = seq.num_computed_tokens
-            for step in range(len(seq.block_table) * size - computed + 1, num_steps + 1, size):
-                keyed.append((step, index, _ALLOCATE, 0))
-            if is_caching:
-                for step in range(size - computed % size, num_steps + 1, size):
+            first_step = len(seq.block_table) * size - computed + 1
+            if first_step <= num_steps:
+                for step in range(first_step, num_steps + 1, size):
+                    keyed.append((step, index, _ALLOCATE, 0))
+            first_step = size - computed % size
+            if is_caching and first_step <= num_steps:
+                for step in range(first_step, num_steps + 1, size):
                     keyed.append((step, index, _REGISTER, computed + step))
-        keyed.sort()
+        if len(keyed) > 1:
+            keyed.sort()
         return [(kind, index, num_tokens) for _, index, kind, num_tokens in keyed]
 
     def abort(self, seq: Sequence) -> None:

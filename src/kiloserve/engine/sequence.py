@@ -30,6 +30,9 @@ _OUTPUT_ID_CYCLE: tuple[int, ...] = tuple(
     _OUTPUT_WORD_IDS[(i * _WORD_STRIDE) % len(_OUTPUT_WORD_IDS)] for i in range(len(FILLER_WORDS))
 )
 
+_OUTPUT_ID_PERIOD = len(_OUTPUT_ID_CYCLE)
+_OUTPUT_ID_CYCLE_TWICE: list[int] = list(_OUTPUT_ID_CYCLE) * 2  # any slice of <= 1 period
+
 
 class SequenceStatus(Enum):
     WAITING = "waiting"
@@ -127,13 +130,19 @@ class Sequence:
 
     def _next_token_ids(self, start: int, stop: int) -> list[int]:
         planned = self.planned_output_token_ids
-        token_ids = planned[start:stop] if planned is not None else []
-        start += len(token_ids)
+        if planned is None:
+            token_ids: list[int] = []
+        else:
+            token_ids = planned[start:stop]
+            start += len(token_ids)
         if start < stop:
-            period = len(_OUTPUT_ID_CYCLE)
+            period = _OUTPUT_ID_PERIOD
             offset = start % period
-            num_periods = (offset + stop - start) // period + 1
-            token_ids += (_OUTPUT_ID_CYCLE * num_periods)[offset : offset + stop - start]
+            if stop - start <= period:
+                token_ids += _OUTPUT_ID_CYCLE_TWICE[offset : offset + stop - start]
+            else:
+                num_periods = (offset + stop - start) // period + 1
+                token_ids += (_OUTPUT_ID_CYCLE * num_periods)[offset : offset + stop - start]
         return token_ids
 
     def _hash_new_blocks(self) -> None:
