@@ -36,7 +36,7 @@ class ItlHistogram:
     """Weighted log histogram of inter-token gaps (seconds in, ms stats out)."""
 
     def __init__(self) -> None:
-        self.counts = [0.0] * _ITL_NUM_BINS  # a list: item updates are cheaper than numpy
+        self.counts: dict[int, float] = {}  # bin index -> weight (sparse: few bins used)
         self.total_weight = 0.0
         self.total_ms = 0.0
         self.total_sq_ms = 0.0
@@ -45,7 +45,8 @@ class ItlHistogram:
         if weight <= 0 or gap_s <= 0:
             return
         index = int(math.log10(max(gap_s, _ITL_MIN_S) / _ITL_MIN_S) * _ITL_BINS_PER_DECADE)
-        self.counts[min(index, _ITL_NUM_BINS - 1)] += weight
+        index = min(index, _ITL_NUM_BINS - 1)
+        self.counts[index] = self.counts.get(index, 0.0) + weight
         gap_ms = gap_s * 1000.0
         self.total_weight += weight
         self.total_ms += gap_ms * weight
@@ -58,10 +59,14 @@ class ItlHistogram:
         mean = self.total_ms / self.total_weight
         var = max(0.0, self.total_sq_ms / self.total_weight - mean * mean)
         out: LatencyStats = {"mean": mean, "std": math.sqrt(var)}
-        cumulative = np.cumsum(np.asarray(self.counts, dtype=np.float64))
+        # Empty bins add 0.0 to a dense cumsum, so the first bin reaching a target is
+        # the same over the used bins only (the answer is a used bin: targets are > 0).
+        indices = sorted(self.counts)
+        cumulative = np.cumsum(np.asarray([self.counts[i] for i in indices], dtype=np.float64))
         for p in PERCENTILES:
-            index = int(np.searchsorted(cumulative, self.total_weight * p / 100.0))
-            centre = (min(index, _ITL_NUM_BINS - 1) + 0.5) / _ITL_BINS_PER_DECADE
+            pos = int(np.searchsorted(cumulative, self.total_weight * p / 100.0))
+            index = indices[pos] if pos < len(indices) else _ITL_NUM_BINS - 1
+            centre = (index + 0.5) / _ITL_BINS_PER_DECADE
             out[f"p{p}"] = _ITL_MIN_S * 10.0**centre * 1000.0
         return out
 
