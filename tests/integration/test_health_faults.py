@@ -76,6 +76,7 @@ async def test_probes_find_a_hang_within_two_intervals_and_see_recovery() -> Non
                 return not (await _backends(gw))["t1"]["healthy"]
 
             took_s = await _until(t1_down, 3.0)
+            assert "probe" in (await _backends(gw))["t1"]["unhealthy_reasons"]
             assert took_s <= 2 * FAST_HEALTH["interval_s"] + FAST_HEALTH["timeout_s"] + 0.2
             async with aiohttp.ClientSession() as s:
                 results = [await _complete(s, gw) for _ in range(6)]
@@ -98,6 +99,22 @@ async def test_probes_find_a_hang_within_two_intervals_and_see_recovery() -> Non
             )
 
 
+async def test_probes_failing_everywhere_fall_back_to_panic_routing() -> None:
+    async with twins({}, {}) as servers:
+        backends = [{"url": t.url, "name": f"t{i}"} for i, t in enumerate(servers)]
+        health = {**FAST_HEALTH, "timeout_s": 1e-6}  # every probe times out
+        cfg = gateway_config(backends, health=health)
+        async with running_gateway(cfg) as gw, aiohttp.ClientSession() as s:
+
+            async def all_down() -> bool:
+                return not any(r["healthy"] for r in (await _backends(gw)).values())
+
+            await _until(all_down, 3.0)
+            results = [await _complete(s, gw) for _ in range(4)]
+            assert {status for status, _ in results} == {200}
+            assert await _metric(gw, "kiloserve_gateway_panic_routing_total") == 4
+
+
 async def test_outlier_ejects_an_erroring_backend_and_half_open_trial_restores_it() -> None:
     async with twins({}, {}, {}) as servers:
         backends = [{"url": t.url, "name": f"t{i}"} for i, t in enumerate(servers)]
@@ -110,6 +127,7 @@ async def test_outlier_ejects_an_erroring_backend_and_half_open_trial_restores_i
             assert "t2" not in {b for _, b in results}
             rows = await _backends(gw)
             assert not rows["t2"]["healthy"] and rows["t0"]["healthy"] and rows["t1"]["healthy"]
+            assert rows["t2"]["unhealthy_reasons"] == ["ejected"]
             assert await _metric(gw, 'kiloserve_gateway_outlier_ejections_total{backend="t2"}') == 1
             await _faults(servers[2].url, {})
             await asyncio.sleep(0.6)  # ejection over: half-open, the next request is the trial

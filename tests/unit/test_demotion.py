@@ -95,3 +95,21 @@ def test_disabled() -> None:
     _feed(d, 0.0, {"b": 4000.0})
     assert d.evaluate(0.0, POOLS) == []
     assert d.weight_factor("b", 0.0) == 1.0
+
+
+def test_at_most_half_a_pool_is_demoted() -> None:
+    d = _demoter(pool_factor=None)
+    _feed(d, 0.0, {"a": 400.0, "b": 400.0, "c": 20.0})
+    events = d.evaluate(0.0, POOLS)
+    assert len([e for e in events if e.reason]) == 1  # floor(3 x 50 %) = 1
+
+
+def test_recovery_needs_a_margin_under_the_threshold() -> None:
+    d = _demoter(pool_factor=None, window_s=5.0, recover_ratio=0.8)
+    _feed(d, 0.0, {"b": 400.0})
+    d.evaluate(0.0, POOLS)
+    _feed(d, 6.0, {"b": 280.0})  # under 300 but not under 0.8 x 300
+    assert d.evaluate(6.0, POOLS) == []
+    assert d.weight_factor("b", 6.0) == pytest.approx(0.2)
+    _feed(d, 12.0, {"b": 200.0})
+    assert [e.reason for e in d.evaluate(12.0, POOLS)] == [""]

@@ -29,7 +29,7 @@ DRILL_GATEWAY_OPTIONS: dict[str, Any] = {
     "first_byte_timeout_s": 2.0,
     "retries": 2,
     "health": {
-        "interval_s": 1.0, "timeout_s": 0.3, "recheck_interval_s": 0.1,
+        "interval_s": 1.0, "timeout_s": 0.5, "recheck_interval_s": 0.1,
         "unhealthy_threshold": 2, "healthy_threshold": 2,
     },
     "outlier": {"consecutive_gateway_failures": 3, "base_ejection_time_s": 2.0},

@@ -300,6 +300,7 @@ class BackendTable:
     def _describe_one(rec: BackendRecord, now_s: float) -> dict[str, Any]:
         s = rec.state
         age = None if rec.last_scrape_ok_s is None else round(now_s - rec.last_scrape_ok_s, 3)
+        reasons = sorted(rec.vetoes) + ([] if rec.is_scrape_healthy else ["scrapes"])
         return {
             "name": s.backend_id,
             "url": s.url,
@@ -312,6 +313,7 @@ class BackendTable:
             "weight": s.weight,
             "effective_weight": s.effective_weight,
             "healthy": s.healthy,
+            "unhealthy_reasons": reasons,
             "draining": s.draining,
             "routable": s.is_routable,
             "num_running": s.num_running,

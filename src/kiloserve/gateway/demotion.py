@@ -10,15 +10,18 @@ median with
   windows; the others, so that one slow node in a pool of two still stands out).
 
 A slow backend is demoted to ``demoted_weight`` (default 0.2) of its weight instead of
-being ejected, with a reason (``tpot_abs``, ``ttft_abs``, ``tpot_pool``, ``ttft_pool``).
-When it is back under every threshold (or its window has too few recent samples to
-tell) it ramps back linearly to full weight over ``slow_start_s`` (slow start); a
-relapse during the ramp demotes it again.
+being ejected, with a reason (``tpot_abs``, ``ttft_abs``, ``tpot_pool``, ``ttft_pool``);
+at most ``max_demoted_percent`` of a pool is demoted at once (at least one may be).
+When it is clearly back under every threshold (``recover_ratio`` x each, hysteresis
+against flapping; or its window has too few recent samples to tell) it ramps back
+linearly to full weight over ``slow_start_s`` (slow start); a relapse during the ramp
+demotes it again.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -45,6 +48,8 @@ class DemotionConfig(BaseModel):
     max_num_samples: int = Field(default=16, ge=1)
     min_num_samples: int = Field(default=5, ge=1)
     slow_start_s: float = Field(default=30.0, ge=0.0)
+    recover_ratio: float = Field(default=0.8, gt=0.0, le=1.0)
+    max_demoted_percent: float = Field(default=50.0, ge=0.0, le=100.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +122,10 @@ class SlowNodeDemoter:
                     values.append(m)
         return statistics.median(values) if values else None
 
-    def _slow_reason(self, backend_id: str, pool: Iterable[str]) -> DemotionEvent | None:
+    def _slow_reason(
+        self, backend_id: str, pool: Iterable[str], scale: float
+    ) -> DemotionEvent | None:
+        """Why the backend is slow (thresholds x ``scale``), or None."""
         node, cfg = self._nodes[backend_id], self.cfg
         members = list(pool)
         for kind, limit_ms in (("tpot_ms", cfg.max_tpot_ms), ("ttft_ms", cfg.max_ttft_ms)):
@@ -125,12 +133,22 @@ class SlowNodeDemoter:
             if mine is None:
                 continue
             name = kind.removesuffix("_ms")
-            if limit_ms is not None and mine > limit_ms:
-                return DemotionEvent(backend_id, f"{name}_abs", mine, limit_ms)
+            if limit_ms is not None and mine > limit_ms * scale:
+                return DemotionEvent(backend_id, f"{name}_abs", mine, limit_ms * scale)
             others = self._others(kind, backend_id, members) if cfg.pool_factor else None
-            if others is not None and cfg.pool_factor and mine > cfg.pool_factor * others:
-                return DemotionEvent(backend_id, f"{name}_pool", mine, cfg.pool_factor * others)
+            if others is not None and cfg.pool_factor and mine > cfg.pool_factor * others * scale:
+                bound = cfg.pool_factor * others * scale
+                return DemotionEvent(backend_id, f"{name}_pool", mine, bound)
         return None
+
+    def _may_demote(self, backend_id: str, pool: Iterable[str]) -> bool:
+        ids = set(pool) | {backend_id}
+        num_demoted = sum(
+            1 for b in ids
+            if b != backend_id and b in self._nodes and self._nodes[b].is_demoted
+        )  # fmt: skip
+        max_num = max(1, math.floor(len(ids) * self.cfg.max_demoted_percent / 100.0))
+        return num_demoted + 1 <= max_num
 
     def evaluate(self, now_s: float, pools: Mapping[str, Iterable[str]]) -> list[DemotionEvent]:
         """Re-judge every backend (``pools``: backend id -> ids of its pool); returns changes."""
@@ -142,13 +160,15 @@ class SlowNodeDemoter:
             _trim(node.ttft_ms, oldest_s)
             _trim(node.tpot_ms, oldest_s)
         for backend_id, node in self._nodes.items():
-            slow = self._slow_reason(backend_id, pools.get(backend_id, ()))
-            if slow is not None and (not node.is_demoted or node.recovering_since_s is not None):
-                node.is_demoted, node.recovering_since_s, node.reason = True, None, slow.reason
-                node.num_demotions_total += 1
-                events.append(slow)
-            elif slow is None and node.is_demoted and node.recovering_since_s is None:
-                node.recovering_since_s = now_s
+            pool = pools.get(backend_id, ())
+            if not node.is_demoted or node.recovering_since_s is not None:
+                slow = self._slow_reason(backend_id, pool, 1.0)
+                if slow is not None and (node.is_demoted or self._may_demote(backend_id, pool)):
+                    node.is_demoted, node.recovering_since_s, node.reason = True, None, slow.reason
+                    node.num_demotions_total += 1
+                    events.append(slow)
+            elif self._slow_reason(backend_id, pool, self.cfg.recover_ratio) is None:
+                node.recovering_since_s = now_s  # hysteresis: clearly fast again
                 events.append(DemotionEvent(backend_id, ""))
         return events
 

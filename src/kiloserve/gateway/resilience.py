@@ -59,6 +59,7 @@ class Resilience:
         self.num_probes: dict[tuple[str, str], int] = {}
         self.num_ejections: dict[str, int] = {}
         self.num_demotions: dict[tuple[str, str], int] = {}
+        self.num_panics = 0
         self._base_weight: dict[str, float] = {}
         self._prober: Prober | None = None
         self._task: asyncio.Task[None] | None = None
@@ -83,13 +84,32 @@ class Resilience:
         self.demoter.observe(backend_id, time.monotonic(), ttft_ms, None)
 
     def admit(self, ranked: tuple[str, ...], pool: frozenset[str]) -> tuple[str, ...]:
-        """Put one half-open backend of ``pool`` first (its trial request), if any."""
+        """Put one half-open backend of ``pool`` first (its trial request), if any; with
+        nothing routable, fall back to the backends that only failed probes (panic)."""
+        if not ranked:
+            ranked = self._panic(pool)
         for backend_id in sorted(pool):
             is_candidate = backend_id not in ranked and self._is_trial_ready(backend_id)
             if is_candidate and self.outlier.try_trial(backend_id):
                 logger.info("backend %s half-open: one trial request", backend_id)
                 return (backend_id, *ranked)
         return ranked
+
+    def _panic(self, pool: frozenset[str]) -> tuple[str, ...]:
+        """Envoy's panic routing: when probes failed every backend of a pool (an
+        overloaded box, a probe path problem), trust traffic and retries over probes."""
+        table = self.table
+        fallback = [
+            b for b in pool
+            if table.record(b).vetoes == {PROBE_VETO} and table.record(b).is_scrape_healthy
+            and not table.state(b).draining
+        ]  # fmt: skip
+        fallback.sort(key=lambda b: table.state(b).in_flight)
+        if fallback:
+            self.num_panics += 1
+            if self.num_panics == 1 or self.num_panics % 1000 == 0:
+                logger.warning("panic routing: every backend of %s failed its probes", sorted(pool))
+        return tuple(fallback)
 
     def _is_trial_ready(self, backend_id: str) -> bool:
         rec = self.table.record(backend_id)
@@ -127,7 +147,9 @@ class Resilience:
     def tick(self, now_s: float) -> None:
         self.outlier.tick(now_s)
         ids = self.table.backend_ids()
-        pools = {b: self._pool_of(b) for b in ids}
+        # compare only with healthy peers: a just-restarted or ejected one is no yardstick
+        healthy = {b for b in ids if self.table.state(b).healthy}
+        pools = {b: (self._pool_of(b) & healthy) | {b} for b in ids}
         for event in self.demoter.evaluate(now_s, pools):
             if event.reason:
                 key = (event.backend_id, event.reason)
@@ -221,4 +243,8 @@ class _ResilienceCollector(Collector):
         for b in r.table.backend_ids():
             ejected.add_metric([b], 1.0 if r.outlier.is_ejected(b) else 0.0)
             demoted.add_metric([b], 1.0 if r.demoter.describe(b)["demoted"] else 0.0)
-        yield from (probes, ejections, demotions, ejected, demoted)
+        panics = CounterMetricFamily(
+            PREFIX + "panic_routing", "requests routed to probe-failed backends (all failed)"
+        )
+        panics.add_metric([], r.num_panics)
+        yield from (probes, ejections, demotions, ejected, demoted, panics)
