@@ -186,21 +186,19 @@ class Scheduler:
 
     def _max_steps_within_free_blocks(self, max_steps: int) -> int:
         num_free = self.block_manager.num_free_blocks
+        size = self.config.block_size
+        # tokens each sequence can still add before it needs a new block
+        slacks = [len(seq.block_table) * size - seq.num_computed_tokens for seq in self.running]
+        if _num_blocks_past(slacks, max_steps, size) <= num_free:
+            return max_steps  # the common case: one pass (the search would end here too)
         low, high = 0, max_steps
         while low < high:
             mid = (low + high + 1) // 2
-            if self._num_blocks_for_decodes(mid) <= num_free:
+            if _num_blocks_past(slacks, mid, size) <= num_free:
                 low = mid
             else:
                 high = mid - 1
         return low
-
-    def _num_blocks_for_decodes(self, num_steps: int) -> int:
-        size = self.config.block_size
-        num_blocks = 0
-        for seq in self.running:
-            num_blocks += -(-(seq.num_computed_tokens + num_steps) // size) - len(seq.block_table)
-        return num_blocks
 
     def _may_admit_during_decodes(self) -> bool:
         """Whether the waiting head could be admitted while the batch only decodes.
@@ -299,3 +297,12 @@ class Scheduler:
             seq.finish_reason = "abort"
         elif seq.status is SequenceStatus.RUNNING:
             self.finish([seq], "abort")
+
+
+def _num_blocks_past(slacks: list[int], num_steps: int, block_size: int) -> int:
+    """Blocks the batch adds over ``num_steps`` decode steps, from each slack (tokens
+    left in its last block): ``ceil((computed + n) / size) - len(block_table)``."""
+    num_blocks = 0
+    for slack in slacks:
+        num_blocks += -(-(num_steps - slack) // block_size)
+    return num_blocks

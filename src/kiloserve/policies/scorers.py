@@ -34,13 +34,11 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
 
-from kiloserve.policies.accounting import prefill_ms_per_token
 from kiloserve.policies.base import BackendState, RequestInfo
 from kiloserve.policies.hash_ring import group_name
 from kiloserve.policies.signals import (
     capacity_weight,
     kv_free_fractions,
-    num_requests,
     token_loads,
 )
 
@@ -131,10 +129,18 @@ SATURATED_SHARE = 0.9
 
 def _saturation(b: BackendState) -> float:
     """The larger of queue share (of ``max_num_seqs``) and KV usage; unknown is 1."""
-    if b.scrape_stale or b.kv_usage is None:
+    usage = b.kv_usage
+    if b.scrape_stale or usage is None:
         return 1.0
-    share = num_requests(b) / b.max_num_seqs if b.max_num_seqs else 0.0
-    return max(share, b.kv_usage)
+    max_num_seqs = b.max_num_seqs
+    if not max_num_seqs:
+        return max(0.0, usage)
+    running, waiting = b.num_running, b.num_waiting  # signals.num_requests, inlined
+    if running is None or waiting is None:
+        share = b.in_flight / max_num_seqs
+    else:
+        share = max(b.in_flight, running + waiting) / max_num_seqs
+    return max(share, usage)
 
 
 def _median(values: list[float]) -> float:
@@ -149,13 +155,25 @@ def _group_speeds(pool: list[BackendState]) -> list[float | None]:
     and with hundreds of backends the luckiest estimate would draw every request
     (herding). The median of the group's estimates is both steadier and truer.
     Backends without a GPU label are shrunk halfway (geometric mean) towards the
-    median of the unlabelled ones.
+    median of the unlabelled ones. (``accounting.prefill_ms_per_token`` is inlined.)
     """
-    own = [prefill_ms_per_token(b) for b in pool]
+    own: list[float | None] = []
     groups: dict[str, list[float]] = {}
-    for b, speed in zip(pool, own, strict=True):
-        if speed is not None:
-            groups.setdefault(b.gpu, []).append(speed)
+    for b in pool:
+        work = b.ewma_prefill_work_tokens
+        ttft_ms = b.ewma_ttft_ms
+        if ttft_ms is None or work is None or work <= 0.0:
+            own.append(None)
+            continue
+        own_speed = ttft_ms / work
+        own.append(own_speed)
+        group = groups.get(b.gpu)
+        if group is None:
+            groups[b.gpu] = [own_speed]
+        else:
+            group.append(own_speed)
+    if not groups:
+        return own  # every speed unknown: all None either way
     medians = {gpu: _median(v) for gpu, v in groups.items()}
     out: list[float | None] = []
     for b, speed in zip(pool, own, strict=True):
@@ -177,7 +195,7 @@ def ttft_score(ctx: ScoringContext) -> list[float]:
         sat = _saturation(b)
         if depths and sat < SATURATED_SHARE:
             new_tokens = max(1, tokens - depths.get(b.backend_id, 0) * bs)
-        work = (b.outstanding_prefill_tokens + new_tokens) / capacity_weight(b)
+        work = (b.outstanding_prefill_tokens + new_tokens) / (b.weight * b.effective_weight)
         if sat >= SATURATED_SHARE:  # it will queue or preempt: cached blocks may be gone
             work /= max(0.02, 1.0 - sat)
         preds.append((fill if speed is None else speed) * work)
