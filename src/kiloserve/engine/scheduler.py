@@ -250,32 +250,14 @@ class Scheduler:
         then batch position), so the cache ends in exactly the same state.
         """
         seqs = self.running  # finish() rebinds self.running, never mutates this list
+        size = self.config.block_size
+        is_caching = self.config.enable_prefix_caching
         finished: list[Sequence] = []
-        for seq in seqs:
+        keyed: list[tuple[int, int, int, int]] = []  # (step, index, kind, computed tokens)
+        for index, seq in enumerate(seqs):
             if seq.max_tokens - len(seq.output_token_ids) == num_steps:
                 finished.append(seq)
             seq.append_output_tokens(num_steps)  # hashes must exist before registering
-        events = self._decode_block_events(seqs, num_steps)
-        if events:
-            manager = self.block_manager
-            for kind, index, num_tokens in events:
-                if kind == _ALLOCATE:
-                    manager.append_block(seqs[index])
-                else:
-                    manager.register_full_blocks(seqs[index], num_tokens)
-        for seq in seqs:
-            seq.num_computed_tokens += num_steps
-        self.finish(finished, None)
-        return finished
-
-    def _decode_block_events(
-        self, seqs: list[Sequence], num_steps: int
-    ) -> list[tuple[int, int, int]]:
-        """``(kind, batch index, computed tokens)`` sorted by step, index, then kind."""
-        size = self.config.block_size
-        is_caching = self.config.enable_prefix_caching
-        keyed: list[tuple[int, int, int, int]] = []
-        for index, seq in enumerate(seqs):
             computed = seq.num_computed_tokens
             first_step = len(seq.block_table) * size - computed + 1
             if first_step <= num_steps:
@@ -285,9 +267,23 @@ class Scheduler:
             if is_caching and first_step <= num_steps:
                 for step in range(first_step, num_steps + 1, size):
                     keyed.append((step, index, _REGISTER, computed + step))
-        if len(keyed) > 1:
-            keyed.sort()
-        return [(kind, index, num_tokens) for _, index, kind, num_tokens in keyed]
+            seq.num_computed_tokens = computed + num_steps
+        if keyed:
+            self._apply_block_events(seqs, keyed)
+        self.finish(finished, None)
+        return finished
+
+    def _apply_block_events(
+        self, seqs: list[Sequence], keyed: list[tuple[int, int, int, int]]
+    ) -> None:
+        """Allocate and register in single-step order: by step, batch index, then kind."""
+        keyed.sort()
+        manager = self.block_manager
+        for _, index, kind, num_tokens in keyed:
+            if kind == _ALLOCATE:
+                manager.append_block(seqs[index])
+            else:
+                manager.register_full_blocks(seqs[index], num_tokens)
 
     def abort(self, seq: Sequence) -> None:
         """Drop ``seq`` wherever it is, freeing its blocks now."""

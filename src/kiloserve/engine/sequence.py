@@ -124,9 +124,10 @@ class Sequence:
     def append_output_tokens(self, num_tokens: int) -> None:
         """Generate the next ``num_tokens`` output tokens and hash newly full blocks."""
         start = len(self.output_token_ids)
-        self.output_token_ids.extend(self._next_token_ids(start, start + num_tokens))
+        self.output_token_ids += self._next_token_ids(start, start + num_tokens)
         self.num_tokens += num_tokens
-        self._hash_new_blocks()
+        if self.num_tokens >= (len(self.block_hashes) + 1) * self.block_size:
+            self._hash_new_blocks()  # a block filled up (most fused runs fill none)
 
     def _next_token_ids(self, start: int, stop: int) -> list[int]:
         planned = self.planned_output_token_ids

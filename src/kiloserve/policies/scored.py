@@ -95,10 +95,17 @@ class ScoredPolicy:
 
     def totals(self, ctx: ScoringContext) -> list[float]:
         """Weighted mean score of every candidate in ``ctx.pool``."""
-        totals = [0.0] * len(ctx.pool)
-        for scorer, weight in self._scorers:
-            totals = [t + weight * s for t, s in zip(totals, scorer(ctx), strict=True)]
+        columns = [(weight, scorer(ctx)) for scorer, weight in self._scorers]
         norm = self._total_weight
+        if len(columns) == 4:  # the default's four scorers in one pass, same float order
+            (w0, s0), (w1, s1), (w2, s2), (w3, s3) = columns
+            return [
+                (0.0 + w0 * a + w1 * b + w2 * c + w3 * d) / norm
+                for a, b, c, d in zip(s0, s1, s2, s3, strict=True)
+            ]
+        totals = [0.0] * len(ctx.pool)
+        for weight, scores in columns:
+            totals = [t + weight * s for t, s in zip(totals, scores, strict=True)]
         return [t / norm for t in totals]
 
     def _weighted_random(
