@@ -3,9 +3,10 @@
     .venv/bin/python benchmarks/flow_control.py [--duration 60] [--overload 1.5]
 
 Two A10 twins serving Qwen2.5-7B (about 42k KV tokens each, so KV memory is the
-bottleneck) take a mix of short prompts (< 128 tokens) and chat requests (~1000).
-First a closed-loop probe measures the cluster's capacity (completed requests/s at
-saturation); then the same open-loop arrivals at ``--overload`` x that rate go through
+bottleneck) take a mix of short prompts (< 128 tokens) and decode-heavy requests
+(~1100-token prompts, ~600 output tokens), half each.
+First a light probe estimates the cluster's KV-bound capacity (probe rate / KV
+fraction used); then the same open-loop arrivals at ``--overload`` x that rate go through
 a fresh cluster twice: admission off (today's gateway) and on (gateway queue, lanes,
 KV budget). A sampler reads every engine's ``/metrics`` while requests arrive.
 
@@ -37,7 +38,7 @@ from kiloserve.bench.records import RequestRecord  # noqa: E402
 from kiloserve.gateway.scrape import parse_engine_metrics  # noqa: E402
 from kiloserve.launch.cluster import LocalCluster  # noqa: E402
 from kiloserve.launch.config import ClusterConfig  # noqa: E402
-from kiloserve.workload import ClosedLoop, OpenLoop, load_workload  # noqa: E402
+from kiloserve.workload import OpenLoop, load_workload  # noqa: E402
 from kiloserve.workload.request import RequestSpec, Workload  # noqa: E402
 
 MODEL = "Qwen2-7B"  # the catalog name of qwen2.5-7b, served as such by the twins
@@ -93,6 +94,7 @@ def admission_options(on: bool, args: argparse.Namespace) -> dict[str, Any]:
         "kv_budget_frac": args.kv_budget_frac,
         "kv_estimate": args.kv_estimate,
         "decode_growth_frac": args.decode_growth_frac,
+        "short_extra_budget_frac": args.short_extra_budget_frac,
         "max_in_flight_per_backend": 256,
         "reduced_max_in_flight": 64,
     }
@@ -162,17 +164,21 @@ def start_cluster(args: argparse.Namespace, on: bool, tag: str) -> LocalCluster:
 
 
 def probe_capacity(args: argparse.Namespace) -> float:
-    """Completed requests/s at saturation (closed loop, flow control off)."""
-    wl = mixed_workload(args.seed + 1, None, None)
+    """KV-bound capacity: a light open-loop run (flow control off) at ``--probe-rate``
+    uses a fraction ``u`` of the KV cache; capacity ~= probe rate / u. (A closed-loop
+    probe measures the preemption-thrashing throughput instead, well below this.)"""
+    wl = mixed_workload(args.seed + 1, args.probe_rate, args.probe_s)
     with start_cluster(args, False, "probe") as c:
         assert c.gateway_url is not None
-        result = asyncio.run(run_bench(c.gateway_url, MODEL, wl, ClosedLoop(args.probe_concurrency),
-                                       options=ClientOptions(timeout_s=600),
-                                       duration_s=args.probe_s))  # fmt: skip
-    ends = [r.start_s + r.e2e_s for r in result.records if r.is_ok and r.e2e_s is not None]
-    t0 = min(r.start_s for r in result.records)
-    lo, hi = t0 + args.probe_s / 3, t0 + args.probe_s  # skip the ramp-up and the drain
-    return sum(1 for e in ends if lo <= e < hi) / (hi - lo)
+        urls = [b.url for b in c.backends]
+        run = asyncio.run(
+            measured_run(c.gateway_url, urls, wl, OpenLoop(None), args.probe_s, args.warmup)
+        )
+    usage = float(np.mean(run["kv"])) if run["kv"] else 0.0
+    if usage <= 0.05:
+        raise SystemExit(f"probe used {usage:.0%} of KV: raise --probe-rate")
+    print(f"probe: {args.probe_rate} req/s used {usage:.1%} of KV", flush=True)
+    return float(args.probe_rate / usage)
 
 
 def _p(values: list[float], q: float) -> float:
@@ -263,12 +269,13 @@ def main() -> int:
     p.add_argument("--warmup", type=float, default=10.0, help="seconds before KV sampling")
     p.add_argument("--overload", type=float, default=1.5)
     p.add_argument("--capacity", type=float, default=None, help="skip the probe (req/s)")
-    p.add_argument("--probe-s", type=float, default=90.0)
-    p.add_argument("--probe-concurrency", type=int, default=128)
+    p.add_argument("--probe-s", type=float, default=40.0)
+    p.add_argument("--probe-rate", type=float, default=3.8, help="req/s, under capacity")
     p.add_argument("--num-backends", type=int, default=2)
     p.add_argument("--kv-budget-frac", type=float, default=0.97)
     p.add_argument("--kv-estimate", choices=["reserved", "scraped"], default="scraped")
-    p.add_argument("--decode-growth-frac", type=float, default=0.25)
+    p.add_argument("--decode-growth-frac", type=float, default=0.1)
+    p.add_argument("--short-extra-budget-frac", type=float, default=0.03)
     p.add_argument("--max-queue-wait-s", type=float, default=1.5)
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--only", choices=["on", "off"], default=None)

@@ -67,3 +67,10 @@ def test_scraped_estimate_adds_what_the_engine_does_not_hold_yet() -> None:
     ).is_free
     stale = BackendState("b", kv_capacity_tokens=1000, kv_usage=None)  # no scrape: reservations
     assert not has_room(stale, cfg, 250, reserved_tokens=900, num_in_flight=3).is_free
+
+
+def test_short_requests_get_extra_headroom() -> None:
+    cfg = CapacityConfig(kv_budget_frac=0.9, short_extra_budget_frac=0.05)
+    s = BackendState("b", kv_capacity_tokens=1000, kv_usage=0.0)
+    assert not has_room(s, cfg, 40, reserved_tokens=880, num_in_flight=5).is_free
+    assert has_room(s, cfg, 40, reserved_tokens=880, num_in_flight=5, is_short=True).is_free

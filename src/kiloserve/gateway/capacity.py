@@ -51,6 +51,7 @@ class CapacityConfig(BaseModel):
     kv_budget_frac: float = Field(default=0.95, gt=0.0, le=4.0)
     kv_estimate: Literal["reserved", "scraped"] = "reserved"
     decode_growth_frac: float = Field(default=0.5, ge=0.0, le=1.0)
+    short_extra_budget_frac: float = Field(default=0.0, ge=0.0, le=1.0)
     kv_high_watermark: float = Field(default=0.85, gt=0.0, le=1.0)
     max_in_flight_per_backend: int = Field(default=256, ge=1)
     reduced_max_in_flight: int = Field(default=16, ge=1)
@@ -120,17 +121,21 @@ def has_room(
     reserved_tokens: int,
     num_in_flight: int,
     pending_tokens: int = 0,
+    is_short: bool = False,
 ) -> Room:
     """Can ``s`` take a request needing ``need_tokens`` of KV right now?
 
     ``reserved_tokens`` / ``num_in_flight`` are the gateway's own counts for ``s``. An
-    idle backend always takes one request, even one larger than its budget.
+    idle backend always takes one request, even one larger than its budget. A short
+    request (``is_short``) may use ``short_extra_budget_frac`` more: headroom that long
+    requests cannot take, so short ones find room even when KV is tight.
     """
     capacity = capacity_tokens(s, cfg)
     if capacity is None:
         cap = cfg.max_in_flight_per_backend
         return Room(num_in_flight < cap, cap, None, "" if num_in_flight < cap else "in_flight_cap")
-    budget = int(capacity * cfg.kv_budget_frac)
+    extra = cfg.short_extra_budget_frac if is_short else 0.0
+    budget = int(capacity * (cfg.kv_budget_frac + extra))
     free = budget - used_tokens(s, cfg, capacity, reserved_tokens, pending_tokens)
     cap = in_flight_cap(s, cfg, is_over_budget=free < 0)
     if num_in_flight >= cap:

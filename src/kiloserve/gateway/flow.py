@@ -21,7 +21,14 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from kiloserve.gateway.admission import LANES, AdmissionConfig, PoolQueue, QueueFullError, Waiter
+from kiloserve.gateway.admission import (
+    LANES,
+    AdmissionConfig,
+    PoolQueue,
+    QueueFullError,
+    Waiter,
+    lane_of,
+)
 from kiloserve.gateway.auth import TooManyRequestsError, UnavailableError
 from kiloserve.gateway.backends import BackendTable
 from kiloserve.gateway.capacity import has_room, memory_need_tokens
@@ -109,7 +116,7 @@ class AdmissionController:
         self._infos: dict[int, RequestInfo] = {}
 
     # -- capacity ------------------------------------------------------------------
-    def _roomy(self, model: str, need_tokens: int) -> set[str]:
+    def _roomy(self, model: str, need_tokens: int, is_short: bool) -> set[str]:
         cap = self.cfg.capacity
         out: set[str] = set()
         for bid in self.table.pool_ids(model):
@@ -120,7 +127,7 @@ class AdmissionController:
             pending = s.outstanding_prefill_tokens + growth + self.undispatched_tokens.get(bid, 0)
             room = has_room(
                 s, cap, need_tokens, self.reserved_tokens.get(bid, 0),
-                self.num_in_flight.get(bid, 0), pending,
+                self.num_in_flight.get(bid, 0), pending, is_short,
             )  # fmt: skip
             if room.is_free:
                 out.add(bid)
@@ -128,7 +135,8 @@ class AdmissionController:
 
     def _place(self, info: RequestInfo, need_tokens: int) -> Admission | None:
         """Reserve the policy's best backend with room; None when none has room."""
-        roomy = self._roomy(info.model, need_tokens)
+        is_short = lane_of(info.input_tokens, self.cfg) == "short"
+        roomy = self._roomy(info.model, need_tokens, is_short)
         if not roomy:
             return None
         snap = self.table.snapshot(time.monotonic())
@@ -214,7 +222,7 @@ class AdmissionController:
 
     def _release_one(self, model: str, q: PoolQueue, now_s: float) -> bool:
         smallest = q.min_need_tokens(now_s)
-        if smallest is None or not self._roomy(model, smallest):
+        if smallest is None or not self._roomy(model, smallest, is_short=True):
             return False  # nothing eligible fits anywhere: skip the sort
         placed: list[Admission] = []
 
