@@ -21,14 +21,20 @@ Every real engine gets a private scratch folder under the cluster's run dir for
 ``TMPDIR`` and its caches (vLLM otherwise litters /tmp and ~/.cache); ``env`` from the
 YAML is applied last, so it can override any of these.
 
-Agent hook: the node agent (registration in etcd, node health) is a later issue. It
-will run beside each engine as one more ``ChildProcess`` per backend, built here by an
-``agent_launch(item, engine_url)`` function next to ``engine_launch`` and started by
-``LocalCluster.start`` right after the engine it serves becomes healthy.
+Paths in ``model_path``, ``python`` and ``command`` may use ``~`` and ``$VARS``
+(expanded here, e.g. ``~/.cache/kiloserve/tiny-model``).
+
+Agent hook: ``kiloserve up`` does not start the node agent yet (``kiloserve agent
+--engine-url URL --etcd HOST:PORT --model M --name N --gpu G``: etcd registration
+under a lease, node health). It belongs beside each engine as one more
+``ChildProcess`` per backend, built here by an ``agent_launch(item, engine_url, etcd)``
+next to ``engine_launch`` and started by ``LocalCluster.start`` right after the engine
+it serves becomes healthy, once the cluster YAML names an etcd endpoint.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +49,7 @@ __all__ = [
     "EngineLaunch",
     "MetricDialect",
     "engine_launch",
+    "expand_path",
     "llamacpp_launch",
     "sglang_launch",
     "twin_argv",
@@ -114,7 +121,17 @@ def _served_name(spec: BackendSpec) -> str:
 
 
 def _python(spec: BackendSpec) -> str:
-    return spec.python or sys.executable
+    return expand_path(spec.python) if spec.python else sys.executable
+
+
+def expand_path(value: str) -> str:
+    """``~`` and ``$VARS`` expanded (engine command lines get no shell)."""
+    return os.path.expandvars(os.path.expanduser(value))
+
+
+def _model(spec: BackendSpec) -> str:
+    """Local weights when given, else the model id (a hub name the engine resolves)."""
+    return expand_path(spec.model_path) if spec.model_path else spec.model
 
 
 def _scratch_env(scratch: Path) -> dict[str, str]:
@@ -136,7 +153,7 @@ def vllm_launch(item: ExpandedBackend, host: str, port: int, scratch: Path) -> E
     """vLLM's OpenAI API server (GPU or CPU build)."""
     spec = item.spec
     argv = [_python(spec), "-m", "vllm.entrypoints.openai.api_server"]
-    argv += ["--model", spec.model_path or spec.model, "--served-model-name", _served_name(spec)]
+    argv += ["--model", _model(spec), "--served-model-name", _served_name(spec)]
     argv += ["--host", host, "--port", str(port)]
     if spec.tp > 1:
         argv += ["--tensor-parallel-size", str(spec.tp)]
@@ -155,7 +172,7 @@ def sglang_launch(item: ExpandedBackend, host: str, port: int, scratch: Path) ->
     """SGLang's server (GPU only: its PyPI kernels are CUDA builds)."""
     spec = item.spec
     argv = [_python(spec), "-m", "sglang.launch_server"]
-    argv += ["--model-path", spec.model_path or spec.model]
+    argv += ["--model-path", _model(spec)]
     argv += ["--served-model-name", _served_name(spec), "--host", host, "--port", str(port)]
     argv += ["--tp-size", str(spec.tp), "--enable-metrics"]
     argv += _optional_flags(
@@ -175,7 +192,8 @@ def llamacpp_launch(item: ExpandedBackend, host: str, port: int, scratch: Path) 
     spec = item.spec
     if not spec.model_path:
         raise ConfigError(f"backend '{item.name}': engine llama.cpp needs model_path (a GGUF)")
-    argv = [spec.command or "llama-server", "-m", spec.model_path, "--alias", _served_name(spec)]
+    binary = expand_path(spec.command) if spec.command else "llama-server"
+    argv = [binary, "-m", expand_path(spec.model_path), "--alias", _served_name(spec)]
     argv += ["--host", host, "--port", str(port), "--metrics"]
     # llama.cpp splits its context (-c) evenly over its slots (-np).
     num_slots = spec.max_num_seqs or 1

@@ -106,6 +106,15 @@ def test_gateway_config_sets_each_dialect() -> None:
     assert [i.kv_capacity_tokens > 0 for i in infos] == [False] * 5 + [True]  # twin: planned
 
 
-def test_cpu_example_parses() -> None:
+def test_cpu_example_parses_and_expands_home(tmp_path: Path) -> None:
     cfg = load_cluster_config(REPO / "examples" / "cluster-real-cpu.yaml")
     assert [b.engine for b in cfg.backends] == ["vllm", "vllm", "llama.cpp"]
+    launches = [engine_launch(it, "127.0.0.1", 1, tmp_path) for it in cfg.expanded()]
+    home = str(Path.home())
+    assert launches[0].argv[0] == f"{home}/.cache/kiloserve/real-venv/bin/python"
+    assert launches[0].argv[4] == f"{home}/.cache/kiloserve/tiny-model"
+    assert launches[2].argv[:3] == [
+        f"{home}/.cache/kiloserve/llama.cpp/bin/llama-server",
+        "-m",
+        f"{home}/.cache/kiloserve/tiny-model/tiny.gguf",
+    ]
