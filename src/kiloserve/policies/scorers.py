@@ -127,20 +127,24 @@ def weight_score(ctx: ScoringContext) -> list[float]:
 SATURATED_SHARE = 0.9
 
 
-def _saturation(b: BackendState) -> float:
-    """The larger of queue share (of ``max_num_seqs``) and KV usage; unknown is 1."""
-    usage = b.kv_usage
-    if b.scrape_stale or usage is None:
-        return 1.0
-    max_num_seqs = b.max_num_seqs
-    if not max_num_seqs:
-        return max(0.0, usage)
-    running, waiting = b.num_running, b.num_waiting  # signals.num_requests, inlined
-    if running is None or waiting is None:
-        share = b.in_flight / max_num_seqs
-    else:
-        share = max(b.in_flight, running + waiting) / max_num_seqs
-    return max(share, usage)
+def _saturations(pool: list[BackendState]) -> list[float]:
+    """Per backend, the larger of queue share (of ``max_num_seqs``, requests counted as
+    ``signals.num_requests``) and KV usage; unknown is 1. One pass (hot path)."""
+    out: list[float] = []
+    for b in pool:
+        usage = b.kv_usage
+        if b.scrape_stale or usage is None:
+            out.append(1.0)
+            continue
+        max_num_seqs = b.max_num_seqs
+        if not max_num_seqs:
+            share = 0.0
+        elif b.num_running is None or b.num_waiting is None:
+            share = b.in_flight / max_num_seqs
+        else:
+            share = max(b.in_flight, b.num_running + b.num_waiting) / max_num_seqs
+        out.append(usage if usage > share else share)  # max(share, usage)
+    return out
 
 
 def _median(values: list[float]) -> float:
@@ -190,9 +194,8 @@ def ttft_score(ctx: ScoringContext) -> list[float]:
     fill = known[len(known) // 2] if known else 1.0
     tokens, depths, bs = ctx.request.input_tokens, ctx.prefix_depths, ctx.block_size
     preds = []
-    for b, speed in zip(ctx.pool, speeds, strict=True):
+    for b, speed, sat in zip(ctx.pool, speeds, _saturations(ctx.pool), strict=True):
         new_tokens = tokens
-        sat = _saturation(b)
         if depths and sat < SATURATED_SHARE:
             new_tokens = max(1, tokens - depths.get(b.backend_id, 0) * bs)
         work = (b.outstanding_prefill_tokens + new_tokens) / (b.weight * b.effective_weight)
