@@ -30,6 +30,7 @@ TOLERANCE = 0.10
 # the run, on warm connections (live TTFT minus simulated TTFT at zero delay, halved).
 PROBE = "synthetic:input=32,output=2"
 DISTORTED = "live client distorted"
+REORDER_S = 0.005  # sends closer than this may swap on the way to the gateway
 NUM_PROBES = 8  # even: half on each backend, live (sent after the run) and simulated
 
 pytestmark = pytest.mark.timeout(120)
@@ -59,7 +60,9 @@ def _probe(with_prompts: bool) -> Workload:
                          with_prompts=with_prompts)  # fmt: skip
 
 
-def _live(cfg: ClusterConfig, run_dir: Path) -> tuple[dict[str, object], list[str], float]:
+def _live(
+    cfg: ClusterConfig, run_dir: Path
+) -> tuple[dict[str, object], list[tuple[float, str]], float]:
     """(summary, routing sequence, probes' median TTFT in s) from the live cluster."""
     cluster = LocalCluster(
         cfg, gateway=True, policy="round_robin", gateway_port=0, run_dir=run_dir,
@@ -70,9 +73,25 @@ def _live(cfg: ClusterConfig, run_dir: Path) -> tuple[dict[str, object], list[st
         assert url is not None
         result = asyncio.run(run_bench(url, MODEL, _workload(True), OpenLoop()))
         probes = asyncio.run(run_bench(url, MODEL, _probe(True), OpenLoop()))  # warm now
-    routing = [r.backend or "?" for r in sorted(result.records, key=lambda r: r.start_s)]
+    records = sorted(result.records, key=lambda r: r.start_s)
+    routing = [(r.start_s, r.backend or "?") for r in records]
     probe_ttft_s = statistics.median(r.ttft_s or 0.0 for r in probes.records)
     return summarize(result), routing, probe_ttft_s
+
+
+def _same_routing(sim: list[str], live: list[tuple[float, str]]) -> bool:
+    """Sim's routing equals the live one, except that requests the client sent within
+    ``REORDER_S`` of each other may reach the gateway in either order (loopback
+    scheduling), so within such a burst the backends are compared as multisets."""
+    if len(sim) != len(live):
+        return False
+    start = 0
+    for i in range(1, len(live) + 1):
+        if i == len(live) or live[i][0] - live[i - 1][0] > REORDER_S:
+            if sorted(sim[start:i]) != sorted(b for _, b in live[start:i]):
+                return False
+            start = i
+    return True
 
 
 def _network_delay_s(cfg: ClusterConfig, live_probe_ttft_s: float) -> float:
@@ -96,7 +115,8 @@ def _compare(cfg: ClusterConfig, run_dir: Path) -> list[str]:
     )  # fmt: skip
     sim = result.summary
     assert live["requests_ok"] == sim["requests_ok"] == NUM_REQUESTS
-    assert [backend for _, backend in result.routing] == live_routing
+    sim_routing = [backend for _, backend in result.routing]
+    assert _same_routing(sim_routing, live_routing), (sim_routing, live_routing)
     report = [f"measured one-way loopback delay: {delay_s * 1000:.2f} ms"]
     mismatches = []
     for key in ("ttft_ms", "tpot_ms"):

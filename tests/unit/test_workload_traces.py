@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not TRACES.is_dir(), reason=f"no shipped traces 
 
 def test_default_trace_dir_is_next_to_repo(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KILOSERVE_TRACES", raising=False)
-    assert find_traces_dir() == TRACES.resolve()
+    assert find_traces_dir().resolve() == TRACES.resolve()
     monkeypatch.setenv("KILOSERVE_TRACES", "/nonexistent/traces")
     with pytest.raises(ConfigError, match="--traces-dir"):
         find_traces_dir()
