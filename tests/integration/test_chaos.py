@@ -84,7 +84,7 @@ async def test_hang(env: DrillEnv) -> None:
 
 
 async def test_slow(env: DrillEnv) -> None:
-    opts = DrillOptions(concurrency=6, before_s=3.0, fault_s=8.0, after_s=1.0)
+    opts = DrillOptions(concurrency=6, before_s=3.0, fault_s=12.0, after_s=1.0)
     r = await _run(env, "slow", opts)
     assert r["failed"] == 0
     assert r["detect_s"] is not None and r["detect_s"] <= 10.0

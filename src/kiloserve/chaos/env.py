@@ -24,7 +24,8 @@ from kiloserve.launch.process import ChildProcess
 __all__ = ["DRILL_GATEWAY_OPTIONS", "DrillEnv"]
 
 # Drill defaults (a cluster file's gateway.options override them): probes every second,
-# a 2 s first-byte deadline (a hung backend's request moves on), demotion to 0.1.
+# a 2 s first-byte deadline (a hung backend's request moves on), demotion to 0.1 judged
+# on small windows (3..10 samples) so a short drill sees it.
 DRILL_GATEWAY_OPTIONS: dict[str, Any] = {
     "first_byte_timeout_s": 2.0,
     "retries": 2,
@@ -34,7 +35,8 @@ DRILL_GATEWAY_OPTIONS: dict[str, Any] = {
     },
     "outlier": {"consecutive_gateway_failures": 3, "base_ejection_time_s": 2.0},
     "demotion": {
-        "demoted_weight": 0.1, "window_s": 10.0, "max_num_samples": 10, "slow_start_s": 3.0,
+        "demoted_weight": 0.1, "window_s": 10.0, "max_num_samples": 10, "min_num_samples": 3,
+        "slow_start_s": 3.0,
     },
 }  # fmt: skip
 

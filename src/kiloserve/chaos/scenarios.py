@@ -7,6 +7,7 @@ reaction is recognised (detected / recovered), read from ``/admin/backends`` and
 * ``slow``             every step 4x slower (twin fault ``slowdown: 4``)
 * ``errors``           half the requests answer 500
 * ``flap``             killed and restarted every ``flap_period_s`` during the window
+                       (at least twice)
 * ``etcd-down``        the registry (etcd) is stopped for the window (etcd mode)
 * ``rolling-restart``  every backend in turn: drain, restart, wait healthy, undrain
 """
@@ -109,7 +110,7 @@ async def _kill(env: DrillEnv, victim: str, o: DrillOptions, t: Timeline) -> Non
 
 async def _flap(env: DrillEnv, victim: str, o: DrillOptions, t: Timeline) -> None:
     until_s = time.monotonic() + o.fault_s
-    while time.monotonic() < until_s:
+    while len(t.hits_s) < 2 or time.monotonic() < until_s:  # a flap is at least two downs
         t.hits_s.append(time.monotonic())
         env.kill(victim)
         await asyncio.sleep(o.flap_period_s)
