@@ -130,6 +130,12 @@ class BlockManager:
     def deallocate(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks, last block first (so tail blocks are evicted first)."""
         ref_counts, hashes = self._ref_counts, self._hashes
+        blocks = seq.block_table[::-1]
+        if len([b for b in blocks if ref_counts[b] == 1]) == len(blocks):
+            self._free_all(blocks)  # the common case: no block shared, each freed once
+            seq.block_table = []
+            seq.num_hashed_blocks = 0
+            return
         free_uncached, free_cached = self._free_uncached, self._free_cached
         for block_id in reversed(seq.block_table):
             num_refs = ref_counts[block_id] - 1
@@ -142,6 +148,15 @@ class BlockManager:
                 free_cached[block_id] = None
         seq.block_table = []
         seq.num_hashed_blocks = 0
+
+    def _free_all(self, blocks: list[int]) -> None:
+        """Free ``blocks`` (distinct, each held once) in order: ``deallocate``'s loop in
+        comprehensions. Held blocks sit in no free list, so appending keeps the order."""
+        ref_counts, hashes = self._ref_counts, self._hashes
+        for block_id in blocks:
+            ref_counts[block_id] = 0
+        self._free_uncached += [b for b in blocks if hashes[b] is None]
+        self._free_cached.update(dict.fromkeys([b for b in blocks if hashes[b] is not None]))
 
     def _grow(self, seq: Sequence, num_tokens: int) -> None:
         num_new_blocks = -(-num_tokens // self.block_size) - len(seq.block_table)

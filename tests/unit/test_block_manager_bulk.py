@@ -1,0 +1,83 @@
+"""BlockManager's bulk paths (taking a prompt's blocks at once, freeing a sequence's
+blocks in comprehensions) against a one-block-at-a-time reference, on random mixes of
+shared prefixes, evictions and frees."""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+
+from kiloserve.engine.block_manager import BlockManager
+from kiloserve.engine.sequence import Sequence
+
+BS = 4
+
+
+class OneAtATime(BlockManager):
+    """The reference: every block taken and freed singly (the original loops)."""
+
+    def _take_free_blocks(self, num_blocks: int) -> list[int]:
+        return [self._take_free() for _ in range(num_blocks)]
+
+    def deallocate(self, seq: Sequence) -> None:
+        for block_id in reversed(seq.block_table):
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] > 0:
+                continue
+            if self._hashes[block_id] is None:
+                self._free_uncached.append(block_id)
+            else:
+                self._free_cached[block_id] = None
+        seq.block_table = []
+        seq.num_hashed_blocks = 0
+
+
+def _state(bm: BlockManager) -> tuple[object, ...]:
+    return (
+        list(bm._ref_counts),
+        list(bm._hashes),
+        list(bm._free_uncached),
+        list(OrderedDict(bm._free_cached)),
+        dict(bm._hash_to_block),
+        bm.num_free_blocks,
+    )
+
+
+def _run(bm: BlockManager, seed: int) -> list[object]:
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(50) for _ in range(rng.randint(1, 12))] for _ in range(4)]
+    live: list[Sequence] = []
+    trace: list[object] = []
+    for step in range(120):
+        if live and (rng.random() < 0.45 or bm.num_free_blocks < 8):
+            seq = live.pop(rng.randrange(len(live)))
+            bm.deallocate(seq)
+        else:
+            prompt = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randint(1, 20))]
+            seq = Sequence(f"s{step}", prompt, 4, block_size=BS)
+            hits = bm.find_cached_blocks(seq)
+            num_new = seq.num_tokens - len(hits) * BS
+            if not bm.can_allocate(hits, num_new):
+                continue
+            bm.allocate(seq, hits, num_new)
+            live.append(seq)
+            trace.append(list(seq.block_table))
+        trace.append(_state(bm))
+    return trace
+
+
+def test_bulk_take_and_free_match_one_block_at_a_time() -> None:
+    num_evicting = 0
+    for seed in range(40):
+        fast = BlockManager(num_blocks=24, block_size=BS, enable_prefix_caching=True)
+        slow = OneAtATime(num_blocks=24, block_size=BS, enable_prefix_caching=True)
+        assert _run(fast, seed) == _run(slow, seed)
+        num_evicting += fast.num_cached_blocks < len(fast._hashes) - 1
+    assert num_evicting > 0  # some runs reused or evicted blocks
+
+
+def test_bulk_paths_without_prefix_caching() -> None:
+    for seed in range(10):
+        fast = BlockManager(num_blocks=24, block_size=BS, enable_prefix_caching=False)
+        slow = OneAtATime(num_blocks=24, block_size=BS, enable_prefix_caching=False)
+        assert _run(fast, seed) == _run(slow, seed)
