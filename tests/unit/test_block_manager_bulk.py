@@ -1,5 +1,5 @@
-"""BlockManager's bulk paths (taking a prompt's blocks at once, freeing a sequence's
-blocks in comprehensions) against a one-block-at-a-time reference, on random mixes of
+"""BlockManager's bulk paths (taking and registering a prompt's blocks at once, freeing
+a sequence's blocks in comprehensions) against a one-block-at-a-time reference, on random mixes of
 shared prefixes, evictions and frees."""
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ class OneAtATime(BlockManager):
 
     def _take_free_blocks(self, num_blocks: int) -> list[int]:
         return [self._take_free() for _ in range(num_blocks)]
+
+    def _register_new(self, seq: Sequence, start: int, stop: int) -> bool:
+        return False  # always the one-by-one registration loop
 
     def deallocate(self, seq: Sequence) -> None:
         for block_id in reversed(seq.block_table):
@@ -45,7 +48,7 @@ def _state(bm: BlockManager) -> tuple[object, ...]:
 
 def _run(bm: BlockManager, seed: int) -> list[object]:
     rng = random.Random(seed)
-    prefixes = [[rng.randrange(50) for _ in range(rng.randint(1, 12))] for _ in range(4)]
+    prefixes = [[rng.randrange(50) for _ in range(rng.randint(1, 60))] for _ in range(4)]
     live: list[Sequence] = []
     trace: list[object] = []
     for step in range(120):
@@ -53,7 +56,7 @@ def _run(bm: BlockManager, seed: int) -> list[object]:
             seq = live.pop(rng.randrange(len(live)))
             bm.deallocate(seq)
         else:
-            prompt = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randint(1, 20))]
+            prompt = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randint(0, 20))]
             seq = Sequence(f"s{step}", prompt, 4, block_size=BS)
             hits = bm.find_cached_blocks(seq)
             num_new = seq.num_tokens - len(hits) * BS
@@ -69,8 +72,8 @@ def _run(bm: BlockManager, seed: int) -> list[object]:
 def test_bulk_take_and_free_match_one_block_at_a_time() -> None:
     num_evicting = 0
     for seed in range(40):
-        fast = BlockManager(num_blocks=24, block_size=BS, enable_prefix_caching=True)
-        slow = OneAtATime(num_blocks=24, block_size=BS, enable_prefix_caching=True)
+        fast = BlockManager(num_blocks=40, block_size=BS, enable_prefix_caching=True)
+        slow = OneAtATime(num_blocks=40, block_size=BS, enable_prefix_caching=True)
         assert _run(fast, seed) == _run(slow, seed)
         num_evicting += fast.num_cached_blocks < len(fast._hashes) - 1
     assert num_evicting > 0  # some runs reused or evicted blocks
@@ -78,6 +81,18 @@ def test_bulk_take_and_free_match_one_block_at_a_time() -> None:
 
 def test_bulk_paths_without_prefix_caching() -> None:
     for seed in range(10):
-        fast = BlockManager(num_blocks=24, block_size=BS, enable_prefix_caching=False)
-        slow = OneAtATime(num_blocks=24, block_size=BS, enable_prefix_caching=False)
+        fast = BlockManager(num_blocks=40, block_size=BS, enable_prefix_caching=False)
+        slow = OneAtATime(num_blocks=40, block_size=BS, enable_prefix_caching=False)
         assert _run(fast, seed) == _run(slow, seed)
+
+
+def test_bulk_registration_keeps_blocks_already_cached() -> None:
+    bm = BlockManager(num_blocks=40, block_size=BS, enable_prefix_caching=True)
+    prompt = list(range(8 * BS + 1))
+    first, second = Sequence("a", prompt, 4, block_size=BS), Sequence("b", prompt, 4, block_size=BS)
+    bm.allocate(first, [], first.num_tokens)
+    bm.allocate(second, [], second.num_tokens)  # no hits taken: same hashes, new blocks
+    for block_hash, block_id in zip(first.block_hashes, first.block_table, strict=False):
+        assert bm._hash_to_block[block_hash] == block_id
+    assert all(bm._hashes[block_id] is None for block_id in second.block_table)
+    assert second.num_hashed_blocks == 8

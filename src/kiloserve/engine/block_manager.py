@@ -119,13 +119,33 @@ class BlockManager:
             return
         hash_to_block, hashes = self._hash_to_block, self._hashes
         block_table, block_hashes = seq.block_table, seq.block_hashes
-        for index in range(seq.num_hashed_blocks, num_full_blocks):
+        start = seq.num_hashed_blocks
+        if num_full_blocks - start > 4 and self._register_new(seq, start, num_full_blocks):
+            return  # a prompt's blocks, none of them known yet: registered in bulk
+        for index in range(start, num_full_blocks):
             block_hash = block_hashes[index]
             if block_hash not in hash_to_block:
                 block_id = block_table[index]
                 hashes[block_id] = block_hash
                 hash_to_block[block_hash] = block_id
         seq.num_hashed_blocks = num_full_blocks
+
+    def _register_new(self, seq: Sequence, start: int, stop: int) -> bool:
+        """Register blocks ``start:stop`` at once if no hash among them is cached yet
+        nor repeated (then the one-by-one loop would register each); else False."""
+        new_hashes = seq.block_hashes[start:stop]
+        hash_to_block = self._hash_to_block
+        if not hash_to_block.keys().isdisjoint(new_hashes):
+            return False
+        if len(set(new_hashes)) != len(new_hashes):
+            return False
+        new_ids = seq.block_table[start:stop]
+        hash_to_block.update(zip(new_hashes, new_ids, strict=True))
+        hashes = self._hashes
+        for block_id, block_hash in zip(new_ids, new_hashes, strict=True):
+            hashes[block_id] = block_hash
+        seq.num_hashed_blocks = stop
+        return True
 
     def deallocate(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks, last block first (so tail blocks are evicted first)."""
