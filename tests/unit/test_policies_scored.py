@@ -239,3 +239,17 @@ def test_ttft_scorer_pools_learned_speed_per_gpu_type() -> None:
     pool[0].outstanding_prefill_tokens = 1000  # the lucky one has work queued
     ranked = policy.choose(req(input_tokens=1000), s, random.Random(0)).ranked
     assert ranked[:2] == ("h2", "h3") and ranked[-1] == "a1"
+
+
+def test_ttft_scorer_sees_queues_other_clients_built() -> None:
+    # The engine reports 6 waiting that this gateway did not send: avoid it even though
+    # the gateway's own counters say both backends are idle.
+    policy = create_policy("default")
+    busy = backend("busy", kv_usage=0.1, num_running=2, num_waiting=6)
+    idle = backend("idle", kv_usage=0.1, num_running=0, num_waiting=0)
+    s = ClusterSnapshot(0.0, (busy, idle))
+    assert policy.choose(req(input_tokens=100), s, random.Random(0)).ranked[0] == "idle"
+    ttft_only = create_policy("scored", {"scorers": {"ttft": 1.0}, "include_scores": True})
+    busy.num_waiting = 2  # below MIN_FOREIGN_WAITING: could be scrape lag, no penalty
+    scores = ttft_only.choose(req(input_tokens=100), s, random.Random(0)).scores
+    assert scores == {"busy": 1.0, "idle": 1.0}

@@ -125,6 +125,8 @@ def weight_score(ctx: ScoringContext) -> list[float]:
 
 
 SATURATED_SHARE = 0.9
+WAITING_PENALTY = 0.5  # each foreign waiting request adds half the work again
+MIN_FOREIGN_WAITING = 3  # fewer can be scrape lag (requests finished since the scrape)
 
 
 def _saturations(pool: list[BackendState]) -> list[float]:
@@ -201,6 +203,13 @@ def ttft_score(ctx: ScoringContext) -> list[float]:
         work = (b.outstanding_prefill_tokens + new_tokens) / (b.weight * b.effective_weight)
         if sat >= SATURATED_SHARE:  # it will queue or preempt: cached blocks may be gone
             work /= max(0.02, 1.0 - sat)
+        if b.num_waiting and not b.scrape_stale:
+            # Waiting requests this gateway did not send (other gateways, direct clients):
+            # its own queued ones are already in outstanding_prefill_tokens.
+            own_queued = b.in_flight - (b.num_running or 0)
+            foreign = b.num_waiting - (own_queued if own_queued > 0 else 0)
+            if foreign >= MIN_FOREIGN_WAITING:
+                work *= 1.0 + WAITING_PENALTY * foreign
         preds.append((fill if speed is None else speed) * work)
     best = min(preds)
     return [1.0 if p <= 0.0 else best / p for p in preds]
