@@ -7,10 +7,12 @@ anything it started; output goes to a log file per child.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -27,6 +29,15 @@ log = logging.getLogger(__name__)
 
 class LaunchError(KiloserveError):
     """A child process failed to start or became unhealthy while starting."""
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the parent dies (Linux), so a
+    hard-killed ``kiloserve up`` or test run leaves no engine behind."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
 
 
 def tail(path: Path, num_lines: int = 15) -> str:
@@ -63,6 +74,7 @@ class ChildProcess:
                 stdin=subprocess.DEVNULL,
                 env=env,
                 start_new_session=True,
+                preexec_fn=_die_with_parent,
             )
         log.debug("started %s pid=%s: %s", self.name, self.proc.pid, " ".join(self.argv))
 
