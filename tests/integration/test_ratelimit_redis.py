@@ -100,3 +100,20 @@ async def test_redis_token_bucket_reconciles(redis_url: str) -> None:
     finally:
         await a.close()
         await b.close()
+
+
+async def test_a_dead_redis_fails_open() -> None:
+    keys = [{"name": "k", "key_sha256": hash_key("sk-k"), "max_requests_per_min": 1}]
+    fake = FakeBackend()
+    async with fake_backends(fake):
+        dead = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+        cfg = gateway_config(
+            [{"url": fake.url, "models": ["m"]}],
+            auth={"keys": keys},
+            rate_limit={"redis_url": dead},
+        )
+        async with running_gateway(cfg) as gw, aiohttp.ClientSession() as s:
+            headers = {"Authorization": "Bearer sk-k"}
+            body = {"model": "m", "prompt": "hi"}
+            async with s.post(gw + "/v1/completions", json=body, headers=headers) as r:
+                assert r.status == 200

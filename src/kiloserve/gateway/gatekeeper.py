@@ -163,7 +163,7 @@ class FlowControl:
         rid = info.request_id
         quota, reserved = self._quota(key), self._reserve_tokens(info)
         if quota is not None and self.limiter is not None:
-            wait_s = await self.limiter.acquire(quota, reserved, time.monotonic())
+            wait_s = await self._acquire(quota, reserved)
             if wait_s > 0:
                 self.ctx.metrics.request_done(info.model, "", 429)
                 exc = TooManyRequestsError("rate limit reached for this API key", code="rate_limit")
@@ -172,6 +172,16 @@ class FlowControl:
             return await self._admitted(info, dispatch)
         finally:
             await self._reconcile(quota, info, reserved)
+
+    async def _acquire(self, quota: Quota, reserved: int) -> float:
+        """The limiter's wait; a store that fails (Redis down) lets the request through."""
+        if self.limiter is None:
+            return 0.0
+        try:
+            return await self.limiter.acquire(quota, reserved, time.monotonic())
+        except Exception as exc:
+            logger.warning("rate-limit store failed (%s): not limiting", type(exc).__name__)
+            return 0.0
 
     def _quota(self, key: ApiKey | None) -> Quota | None:
         if key is None or (key.max_requests_per_min is None and key.max_tokens_per_min is None):
