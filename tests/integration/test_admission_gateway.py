@@ -132,6 +132,8 @@ async def test_api_keys_401_403_and_admin_separation(monkeypatch: Any) -> None:
                 conf = await r.text()
     assert "sk-alice" not in text and "sk-bob" not in text
     assert "sk-alice" not in conf and "sk-bob" not in conf
+    # The gateway's client keys never reach an engine.
+    assert fake.headers and all("authorization" not in h for h in fake.headers)
 
 
 async def test_rate_limit_per_key_with_retry_after() -> None:

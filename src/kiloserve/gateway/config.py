@@ -30,6 +30,7 @@ from kiloserve.gateway.health import HealthConfig
 from kiloserve.gateway.outlier import OutlierConfig
 from kiloserve.gateway.ratelimit import RateLimitConfig
 from kiloserve.gateway.registry.settings import RegistryConfig
+from kiloserve.validation import model_at
 
 __all__ = [
     "ADMIN_TOKEN_ENV",
@@ -155,15 +156,7 @@ def _valid_keys(model: type[BaseModel]) -> list[str]:
 
 def _model_at(loc: tuple[int | str, ...]) -> type[BaseModel]:
     """The pydantic model that owns the key at ``loc`` (for 'valid keys' hints)."""
-    if "backends" in loc[:1]:
-        return BackendConfig
-    if loc[:1] == ("policy",):
-        return PolicyConfig
-    if loc[:1] == ("models",):
-        return ModelConfig
-    if loc[:1] == ("dashboard",):
-        return DashboardConfig
-    return GatewayConfig
+    return model_at(GatewayConfig, loc)
 
 
 def _explain(exc: ValidationError, source: str) -> ConfigError:

@@ -78,9 +78,11 @@ class _Failure:
     content_type: str = "application/json"
 
 
-def _upstream_headers(call: _Call) -> dict[str, str]:
+def _upstream_headers(call: _Call, *, keep_auth: bool) -> dict[str, str]:
+    """Headers for the engine. With gateway API keys on, the client's key is the
+    gateway's secret and never reaches an engine (S6.1)."""
     headers = {"Content-Type": "application/json", "x-request-id": call.info.request_id}
-    for name in _FORWARD_HEADERS:
+    for name in _FORWARD_HEADERS if keep_auth else _FORWARD_HEADERS[1:]:
         value = call.request.headers.get(name)
         if value is not None:
             headers[name] = value
@@ -175,7 +177,7 @@ async def _try_backend(
     try:
         async with asyncio.timeout(budget_s):
             base_url = ctx.table.url_of(att.backend_id)
-            headers = _upstream_headers(call)
+            headers = _upstream_headers(call, keep_auth=not cfg.auth.keys)
             resp = await ctx.upstream.post(base_url, call.path, call.payload, headers)
             if _retryable_status(resp.status) or resp.status != 200 or not call.is_stream:
                 body = await resp.read()

@@ -120,6 +120,7 @@ def gateway_config(cfg: ClusterConfig, backends: list[BackendInfo], port: int) -
                 "cost_per_hour": b.cost_per_hour,
                 "weight": b.weight,
                 "engine": METRIC_DIALECTS[b.engine],
+                "kv_capacity_tokens": b.kv_capacity_tokens or None,
             }
             for b in backends
         ],

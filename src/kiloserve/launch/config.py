@@ -41,6 +41,7 @@ from pydantic import (
 )
 
 from kiloserve.errors import ConfigError
+from kiloserve.validation import model_at
 
 __all__ = [
     "BackendSpec",
@@ -161,28 +162,11 @@ def _format_error(exc: ValidationError, source: str) -> str:
         loc = ".".join(str(p) for p in err["loc"])
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
-            model = _model_at(err["loc"])
-            valid = ", ".join(sorted(model.model_fields)) if model else "?"
+            model = model_at(ClusterConfig, tuple(err["loc"]))
+            valid = ", ".join(sorted(model.model_fields))
             msg = f"unknown key '{err['loc'][-1]}' (valid keys: {valid})"
         lines.append(f"  {loc}: {msg}")
     return "\n".join(lines)
-
-
-def _model_at(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
-    model: type[BaseModel] = ClusterConfig
-    for part in loc[:-1]:
-        if isinstance(part, int):
-            continue
-        field = model.model_fields.get(part)
-        if field is None:
-            return None
-        ann = field.annotation
-        inner = getattr(ann, "__args__", (ann,))
-        nxt = next((a for a in inner if isinstance(a, type) and issubclass(a, BaseModel)), None)
-        if nxt is None:
-            return None
-        model = nxt
-    return model
 
 
 def parse_cluster_config(data: Any, source: str = "<dict>") -> ClusterConfig:
