@@ -163,31 +163,29 @@ def _group_speeds(pool: list[BackendState]) -> list[float | None]:
     Backends without a GPU label are shrunk halfway (geometric mean) towards the
     median of the unlabelled ones. (``accounting.prefill_ms_per_token`` is inlined.)
     """
-    own: list[float | None] = []
+    own: list[float | None] = [
+        ttft_ms / work
+        if (ttft_ms := b.ewma_ttft_ms) is not None
+        and (work := b.ewma_prefill_work_tokens) is not None
+        and not work <= 0.0  # (not "> 0.0": a NaN work divides, as in accounting)
+        else None
+        for b in pool
+    ]
     groups: dict[str, list[float]] = {}
-    for b in pool:
-        work = b.ewma_prefill_work_tokens
-        ttft_ms = b.ewma_ttft_ms
-        if ttft_ms is None or work is None or work <= 0.0:
-            own.append(None)
-            continue
-        own_speed = ttft_ms / work
-        own.append(own_speed)
-        group = groups.get(b.gpu)
-        if group is None:
-            groups[b.gpu] = [own_speed]
-        else:
-            group.append(own_speed)
+    for b, speed in zip(pool, own, strict=True):
+        if speed is not None:
+            group = groups.get(b.gpu)
+            if group is None:
+                groups[b.gpu] = [speed]
+            else:
+                group.append(speed)
     if not groups:
         return own  # every speed unknown: all None either way
     medians = {gpu: _median(v) for gpu, v in groups.items()}
-    out: list[float | None] = []
-    for b, speed in zip(pool, own, strict=True):
-        if speed is None or b.gpu:
-            out.append(medians.get(b.gpu) if b.gpu else None)
-        else:
-            out.append(math.sqrt(speed * medians[""]))
-    return out
+    return [
+        medians.get(b.gpu) if b.gpu else None if speed is None else math.sqrt(speed * medians[""])
+        for b, speed in zip(pool, own, strict=True)
+    ]
 
 
 def ttft_score(ctx: ScoringContext) -> list[float]:
