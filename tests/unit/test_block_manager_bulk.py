@@ -96,3 +96,15 @@ def test_bulk_registration_keeps_blocks_already_cached() -> None:
         assert bm._hash_to_block[block_hash] == block_id
     assert all(bm._hashes[block_id] is None for block_id in second.block_table)
     assert second.num_hashed_blocks == 8
+
+
+def test_span_of_consecutive_ids() -> None:
+    from kiloserve.engine.block_manager import _span
+
+    assert _span([3, 4, 5]) == (3, 6)
+    assert _span([5, 4, 3]) == (3, 6)
+    assert _span([7]) == (7, 8)
+    assert _span([3, 5, 4]) is None
+    assert _span([3, 4, 6]) is None
+    assert _span([5, 3, 4]) is None
+    assert _span([]) is None

@@ -142,8 +142,11 @@ class BlockManager:
         new_ids = seq.block_table[start:stop]
         hash_to_block.update(zip(new_hashes, new_ids, strict=True))
         hashes = self._hashes
-        for block_id, block_hash in zip(new_ids, new_hashes, strict=True):
-            hashes[block_id] = block_hash
+        if new_ids == list(range(new_ids[0], new_ids[0] + len(new_ids))):
+            hashes[new_ids[0] : new_ids[0] + len(new_ids)] = new_hashes  # fresh blocks
+        else:
+            for block_id, block_hash in zip(new_ids, new_hashes, strict=True):
+                hashes[block_id] = block_hash
         seq.num_hashed_blocks = stop
         return True
 
@@ -173,8 +176,12 @@ class BlockManager:
         """Free ``blocks`` (distinct, each held once) in order: ``deallocate``'s loop in
         comprehensions. Held blocks sit in no free list, so appending keeps the order."""
         ref_counts, hashes = self._ref_counts, self._hashes
-        for block_id in blocks:
-            ref_counts[block_id] = 0
+        span = _span(blocks)
+        if span is not None:  # consecutive ids (fresh or LRU-reused in order): one slice
+            ref_counts[span[0] : span[1]] = [0] * len(blocks)
+        else:
+            for block_id in blocks:
+                ref_counts[block_id] = 0
         self._free_uncached += [b for b in blocks if hashes[b] is None]
         self._free_cached.update(dict.fromkeys([b for b in blocks if hashes[b] is not None]))
 
@@ -233,3 +240,17 @@ class BlockManager:
             del self._hash_to_block[block_hash]
             self._hashes[block_id] = None
         return block_id
+
+
+def _span(block_ids: list[int]) -> tuple[int, int] | None:
+    """``(low, high)`` when ``block_ids`` are exactly ``low..high-1`` in ascending or
+    descending order, else None (also when empty)."""
+    if not block_ids:
+        return None
+    first, last = block_ids[0], block_ids[-1]
+    num_ids = len(block_ids)
+    if last - first == num_ids - 1 and block_ids == list(range(first, last + 1)):
+        return first, last + 1
+    if first - last == num_ids - 1 and block_ids == list(range(first, last - 1, -1)):
+        return last, first + 1
+    return None
