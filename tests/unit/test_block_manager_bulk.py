@@ -1,5 +1,5 @@
-"""BlockManager's bulk paths (taking and registering a prompt's blocks at once, freeing
-a sequence's blocks in comprehensions) against a one-block-at-a-time reference, on random mixes of
+"""BlockManager's bulk path (taking a prompt's free blocks at once) against a
+one-block-at-a-time reference (the original take and free loops), on random mixes of
 shared prefixes, evictions and frees."""
 
 from __future__ import annotations
@@ -18,9 +18,6 @@ class OneAtATime(BlockManager):
 
     def _take_free_blocks(self, num_blocks: int) -> list[int]:
         return [self._take_free() for _ in range(num_blocks)]
-
-    def _register_new(self, seq: Sequence, start: int, stop: int) -> bool:
-        return False  # always the one-by-one registration loop
 
     def deallocate(self, seq: Sequence) -> None:
         for block_id in reversed(seq.block_table):
@@ -96,15 +93,3 @@ def test_bulk_registration_keeps_blocks_already_cached() -> None:
         assert bm._hash_to_block[block_hash] == block_id
     assert all(bm._hashes[block_id] is None for block_id in second.block_table)
     assert second.num_hashed_blocks == 8
-
-
-def test_span_of_consecutive_ids() -> None:
-    from kiloserve.engine.block_manager import _span
-
-    assert _span([3, 4, 5]) == (3, 6)
-    assert _span([5, 4, 3]) == (3, 6)
-    assert _span([7]) == (7, 8)
-    assert _span([3, 5, 4]) is None
-    assert _span([3, 4, 6]) is None
-    assert _span([5, 3, 4]) is None
-    assert _span([]) is None

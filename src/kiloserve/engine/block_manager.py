@@ -119,10 +119,7 @@ class BlockManager:
             return
         hash_to_block, hashes = self._hash_to_block, self._hashes
         block_table, block_hashes = seq.block_table, seq.block_hashes
-        start = seq.num_hashed_blocks
-        if num_full_blocks - start > 4 and self._register_new(seq, start, num_full_blocks):
-            return  # a prompt's blocks, none of them known yet: registered in bulk
-        for index in range(start, num_full_blocks):
+        for index in range(seq.num_hashed_blocks, num_full_blocks):
             block_hash = block_hashes[index]
             if block_hash not in hash_to_block:
                 block_id = block_table[index]
@@ -130,35 +127,9 @@ class BlockManager:
                 hash_to_block[block_hash] = block_id
         seq.num_hashed_blocks = num_full_blocks
 
-    def _register_new(self, seq: Sequence, start: int, stop: int) -> bool:
-        """Register blocks ``start:stop`` at once if no hash among them is cached yet
-        nor repeated (then the one-by-one loop would register each); else False."""
-        new_hashes = seq.block_hashes[start:stop]
-        hash_to_block = self._hash_to_block
-        if not hash_to_block.keys().isdisjoint(new_hashes):
-            return False
-        if len(set(new_hashes)) != len(new_hashes):
-            return False
-        new_ids = seq.block_table[start:stop]
-        hash_to_block.update(zip(new_hashes, new_ids, strict=True))
-        hashes = self._hashes
-        if new_ids == list(range(new_ids[0], new_ids[0] + len(new_ids))):
-            hashes[new_ids[0] : new_ids[0] + len(new_ids)] = new_hashes  # fresh blocks
-        else:
-            for block_id, block_hash in zip(new_ids, new_hashes, strict=True):
-                hashes[block_id] = block_hash
-        seq.num_hashed_blocks = stop
-        return True
-
     def deallocate(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks, last block first (so tail blocks are evicted first)."""
         ref_counts, hashes = self._ref_counts, self._hashes
-        blocks = seq.block_table[::-1]
-        if len([b for b in blocks if ref_counts[b] == 1]) == len(blocks):
-            self._free_all(blocks)  # the common case: no block shared, each freed once
-            seq.block_table = []
-            seq.num_hashed_blocks = 0
-            return
         free_uncached, free_cached = self._free_uncached, self._free_cached
         for block_id in reversed(seq.block_table):
             num_refs = ref_counts[block_id] - 1
@@ -171,19 +142,6 @@ class BlockManager:
                 free_cached[block_id] = None
         seq.block_table = []
         seq.num_hashed_blocks = 0
-
-    def _free_all(self, blocks: list[int]) -> None:
-        """Free ``blocks`` (distinct, each held once) in order: ``deallocate``'s loop in
-        comprehensions. Held blocks sit in no free list, so appending keeps the order."""
-        ref_counts, hashes = self._ref_counts, self._hashes
-        span = _span(blocks)
-        if span is not None:  # consecutive ids (fresh or LRU-reused in order): one slice
-            ref_counts[span[0] : span[1]] = [0] * len(blocks)
-        else:
-            for block_id in blocks:
-                ref_counts[block_id] = 0
-        self._free_uncached += [b for b in blocks if hashes[b] is None]
-        self._free_cached.update(dict.fromkeys([b for b in blocks if hashes[b] is not None]))
 
     def _grow(self, seq: Sequence, num_tokens: int) -> None:
         num_new_blocks = -(-num_tokens // self.block_size) - len(seq.block_table)
@@ -240,17 +198,3 @@ class BlockManager:
             del self._hash_to_block[block_hash]
             self._hashes[block_id] = None
         return block_id
-
-
-def _span(block_ids: list[int]) -> tuple[int, int] | None:
-    """``(low, high)`` when ``block_ids`` are exactly ``low..high-1`` in ascending or
-    descending order, else None (also when empty)."""
-    if not block_ids:
-        return None
-    first, last = block_ids[0], block_ids[-1]
-    num_ids = len(block_ids)
-    if last - first == num_ids - 1 and block_ids == list(range(first, last + 1)):
-        return first, last + 1
-    if first - last == num_ids - 1 and block_ids == list(range(first, last - 1, -1)):
-        return last, first + 1
-    return None
