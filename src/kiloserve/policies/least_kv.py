@@ -8,13 +8,12 @@ No thresholds.
 
 from __future__ import annotations
 
-import random
+from collections.abc import Sequence
 
-from kiloserve.policies.base import ClusterSnapshot, Decision, RequestInfo
+from kiloserve.policies.base import BackendState, RequestInfo
 from kiloserve.policies.params import PolicyParams
-from kiloserve.policies.ranking import rank_by_keys
-from kiloserve.policies.signals import candidates, kv_free_fractions, load_ranks
-from kiloserve.policies.stateless import StatelessHooks
+from kiloserve.policies.signals import kv_free_fractions, load_ranks
+from kiloserve.policies.stateless import SortedPolicy
 
 __all__ = ["LeastKvParams", "LeastKvPolicy"]
 
@@ -23,20 +22,17 @@ class LeastKvParams(PolicyParams):
     """Least KV takes no parameters."""
 
 
-class LeastKvPolicy(StatelessHooks):
+class LeastKvPolicy(SortedPolicy):
     name = "least_kv"
 
     def __init__(self, params: LeastKvParams | None = None) -> None:
         self.params = params or LeastKvParams()
 
-    def choose(
-        self, request: RequestInfo, snapshot: ClusterSnapshot, rng: random.Random
-    ) -> Decision:
-        pool = candidates(request, snapshot)
-        if not pool:
-            return Decision(ranked=(), policy=self.name, reason="no eligible backend")
+    def sort_keys(
+        self, request: RequestInfo, pool: list[BackendState]
+    ) -> tuple[Sequence[float], Sequence[float]]:
         neg_free = [
             -free * b.weight * b.effective_weight
             for b, free in zip(pool, kv_free_fractions(pool), strict=True)
         ]
-        return Decision(ranked=rank_by_keys(pool, neg_free, load_ranks(pool)), policy=self.name)
+        return neg_free, load_ranks(pool)

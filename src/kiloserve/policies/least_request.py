@@ -9,13 +9,11 @@ missing: unknown counts as saturated), then by snapshot order. No thresholds.
 from __future__ import annotations
 
 import math
-import random
+from collections.abc import Sequence
 
-from kiloserve.policies.base import ClusterSnapshot, Decision, RequestInfo
+from kiloserve.policies.base import BackendState, RequestInfo
 from kiloserve.policies.params import PolicyParams
-from kiloserve.policies.ranking import rank_by_keys
-from kiloserve.policies.signals import candidates
-from kiloserve.policies.stateless import StatelessHooks
+from kiloserve.policies.stateless import SortedPolicy
 
 __all__ = ["LeastRequestParams", "LeastRequestPolicy"]
 
@@ -24,18 +22,15 @@ class LeastRequestParams(PolicyParams):
     """Least request takes no parameters."""
 
 
-class LeastRequestPolicy(StatelessHooks):
+class LeastRequestPolicy(SortedPolicy):
     name = "least_request"
 
     def __init__(self, params: LeastRequestParams | None = None) -> None:
         self.params = params or LeastRequestParams()
 
-    def choose(
-        self, request: RequestInfo, snapshot: ClusterSnapshot, rng: random.Random
-    ) -> Decision:
-        pool = candidates(request, snapshot)
-        if not pool:
-            return Decision(ranked=(), policy=self.name, reason="no eligible backend")
+    def sort_keys(
+        self, request: RequestInfo, pool: list[BackendState]
+    ) -> tuple[Sequence[float], Sequence[float]]:
         in_flight, queue = [], []
         for b in pool:
             cw = b.weight * b.effective_weight
@@ -45,4 +40,4 @@ class LeastRequestPolicy(StatelessHooks):
                 queue.append(math.inf)
             else:
                 queue.append((running + waiting) / cw)
-        return Decision(ranked=rank_by_keys(pool, in_flight, queue), policy=self.name)
+        return in_flight, queue

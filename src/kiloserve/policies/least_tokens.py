@@ -10,13 +10,12 @@ No thresholds.
 
 from __future__ import annotations
 
-import random
+from collections.abc import Sequence
 
-from kiloserve.policies.base import ClusterSnapshot, Decision, RequestInfo
+from kiloserve.policies.base import BackendState, RequestInfo
 from kiloserve.policies.params import PolicyParams
-from kiloserve.policies.ranking import rank_by_keys
-from kiloserve.policies.signals import candidates, load_ranks, token_loads
-from kiloserve.policies.stateless import StatelessHooks
+from kiloserve.policies.signals import load_ranks, token_loads
+from kiloserve.policies.stateless import SortedPolicy
 
 __all__ = ["LeastTokensParams", "LeastTokensPolicy"]
 
@@ -25,18 +24,14 @@ class LeastTokensParams(PolicyParams):
     """Least tokens takes no parameters."""
 
 
-class LeastTokensPolicy(StatelessHooks):
+class LeastTokensPolicy(SortedPolicy):
     name = "least_tokens"
 
     def __init__(self, params: LeastTokensParams | None = None) -> None:
         self.params = params or LeastTokensParams()
 
-    def choose(
-        self, request: RequestInfo, snapshot: ClusterSnapshot, rng: random.Random
-    ) -> Decision:
-        pool = candidates(request, snapshot)
-        if not pool:
-            return Decision(ranked=(), policy=self.name, reason="no eligible backend")
+    def sort_keys(
+        self, request: RequestInfo, pool: list[BackendState]
+    ) -> tuple[Sequence[float], Sequence[float]]:
         new_tokens = request.input_tokens + request.predicted_output_tokens
-        ranked = rank_by_keys(pool, token_loads(pool, new_tokens), load_ranks(pool))
-        return Decision(ranked=ranked, policy=self.name)
+        return token_loads(pool, new_tokens), load_ranks(pool)
