@@ -33,6 +33,7 @@ class StreamState:
         "itl_s",
         "num_chunks",
         "ttft_s",
+        "usage_prompt_tokens",
         "usage_tokens",
     )
 
@@ -45,6 +46,7 @@ class StreamState:
         self.itl_s: list[float] = []
         self.num_chunks = 0
         self.usage_tokens: int | None = None
+        self.usage_prompt_tokens: int | None = None
         self.error: str | None = None
         self.is_done = False
 
@@ -68,6 +70,8 @@ class StreamState:
             record.e2e_s = self._last_s - self._start_s
         record.num_chunks = self.num_chunks
         record.output_tokens = self.usage_tokens if self.usage_tokens else self.num_chunks
+        if self.usage_prompt_tokens:  # the server's count beats the workload's nominal one
+            record.input_tokens = self.usage_prompt_tokens
         if self.error is None and not self.is_done:
             self.error = "stream ended before [DONE]"
         record.error = self.error
@@ -105,6 +109,7 @@ class StreamState:
         usage = event.get("usage")
         if usage:
             self.usage_tokens = int(usage.get("completion_tokens") or 0)
+            self.usage_prompt_tokens = int(usage.get("prompt_tokens") or 0)
 
     def _fail(self, message: str) -> None:
         self.error = message
