@@ -94,7 +94,9 @@ class BlockManager:
         seq.block_table = list(cached_block_ids)
         seq.num_hashed_blocks = len(cached_block_ids)
         seq.num_computed_tokens = num_hit_tokens
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and seq.num_preemptions == 0:
+            # As vLLM's PrefixCacheStats: a preempted request's re-admission is not a
+            # new query (vLLM tracks it apart, outside prefix_cache_queries/hits).
             self.prefix_cache_queries_tokens += seq.num_tokens
             self.prefix_cache_hits_tokens += num_hit_tokens
         self._grow(seq, num_hit_tokens + num_new_tokens)

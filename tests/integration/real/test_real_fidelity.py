@@ -270,11 +270,6 @@ def test_preemption_when_blocks_run_out(fidelity: dict[str, dict[str, Any]]) -> 
     assert vllm["prefix_hits_tokens"] == twin["prefix_hits_tokens"] == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="twin counts a preempted request's re-admission in prefix_cache_queries; vLLM "
-    "0.32 does not (PrefixCacheStats.record, preempted branch) - see docs/twin-fidelity.md",
-)
 def test_resumed_requests_are_not_prefix_queries(fidelity: dict[str, dict[str, Any]]) -> None:
     vllm, twin = fidelity["preemption"]["vllm"], fidelity["preemption"]["twin"]
     assert vllm["prefix_queries_tokens"] == 200  # the two prompts, once each
