@@ -28,13 +28,12 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kiloserve.catalog import get_gpu, get_model
-from kiloserve.engine.config import EngineConfig
 from kiloserve.engine.core import EngineCore, StepTimer
 from kiloserve.engine.faults import FaultInjector, FaultSet
 from kiloserve.engine.metrics import EngineStats, LagTracker, TwinMetrics, read_engine_stats
 from kiloserve.engine.protocol import TokenizeFn, load_tokenizer
 from kiloserve.engine.sequence import Sequence
-from kiloserve.plan.memory import plan_memory
+from kiloserve.engine.setup import engine_config_for
 
 __all__ = [
     "DisconnectWatcher",
@@ -362,20 +361,15 @@ def build_twin(config: TwinConfig, timer: StepTimer | None = None) -> Twin:
     ``timer`` replaces the roofline ``StepTimeModel`` (tests use fixed step times).
     """
     gpu, model = get_gpu(config.gpu), get_model(config.model)
-    ledger = plan_memory(
+    engine_config, ledger = engine_config_for(
         gpu,
         model,
         config.tp,
         config.quant,
         gpu_memory_utilization=config.gpu_memory_utilization,
         max_model_len=config.max_model_len,
-    )
-    engine_config = EngineConfig(
-        num_blocks=ledger.num_kv_blocks,
-        max_num_seqs=config.max_num_seqs or gpu.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens or gpu.max_num_batched_tokens,
-        max_model_len=ledger.max_model_len,
-        block_size=ledger.block_size,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
     )
     if timer is None:
         from kiloserve.engine.timing import StepTimeModel

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kiloserve.catalog import get_gpu, get_model
-from kiloserve.engine.config import EngineConfig
+from kiloserve.engine.setup import engine_config_for
 from kiloserve.engine.timing import StepTimeModel
 from kiloserve.errors import ConfigError
 from kiloserve.gateway.backends import BackendRecord, BackendTable
@@ -25,7 +25,6 @@ from kiloserve.gateway.config import GatewayConfig, parse_gateway_config
 from kiloserve.gateway.scrape import EngineMetrics
 from kiloserve.launch.cluster import BackendInfo, describe_backend, gateway_config
 from kiloserve.launch.config import BackendSpec, ClusterConfig
-from kiloserve.plan.memory import plan_memory
 from kiloserve.sim.backend import BackendModel, SimBackend
 
 __all__ = [
@@ -50,20 +49,15 @@ def backend_model(spec: BackendSpec) -> BackendModel:
             f"engine: {spec.engine} (simulate a twin with the same gpu and model instead)"
         )
     gpu, model = get_gpu(spec.gpu), get_model(spec.model)
-    ledger = plan_memory(
+    engine_config, ledger = engine_config_for(
         gpu,
         model,
         spec.tp,
         spec.quant,
         gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
         max_model_len=spec.max_model_len,
-    )
-    engine_config = EngineConfig(
-        num_blocks=ledger.num_kv_blocks,
-        max_num_seqs=spec.max_num_seqs or gpu.max_num_seqs,
-        max_num_batched_tokens=spec.max_num_batched_tokens or gpu.max_num_batched_tokens,
-        max_model_len=ledger.max_model_len,
-        block_size=ledger.block_size,
+        max_num_seqs=spec.max_num_seqs,
+        max_num_batched_tokens=spec.max_num_batched_tokens,
     )
     timer = StepTimeModel(gpu, model, spec.tp, spec.quant)
     slowdown = 1.0
