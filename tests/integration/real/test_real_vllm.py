@@ -7,6 +7,7 @@ completion exactly ``max_tokens`` long.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -180,11 +181,19 @@ def test_scraped_queueing_steers_load(vllm_cluster: LocalCluster, gateway: opena
     url_a = _engine(vllm_cluster, "vllm-a")
     threads = _hold(url_a, 6 * MAX_NUM_SEQS, max_tokens=460)
     try:
-        wait_for(
-            lambda: metric_sum(http_text(url_a + "/metrics"), "vllm:num_requests_waiting") >= 2,
-            60,
-            "vllm-a to queue requests",
-        )
+        try:
+            wait_for(
+                lambda: metric_sum(http_text(url_a + "/metrics"), "vllm:num_requests_waiting") >= 2,
+                60,
+                "vllm-a to queue requests",
+            )
+        except AssertionError:
+            load_1m, num_cpus = os.getloadavg()[0], os.cpu_count() or 1
+            if load_1m <= num_cpus:
+                raise
+            # The precondition (a queue on the engine) is vLLM's, not ours: on a machine
+            # whose cores other jobs own, it may never build in time.
+            pytest.skip(f"vllm-a built no queue in 60 s at load average {load_1m:.1f}")
         wait_for(lambda: (admin_backends(gw)["vllm-a"]["num_waiting"] or 0) >= 2, 5, "a scrape")
         assert admin_backends(gw)["vllm-a"]["num_running"] == MAX_NUM_SEQS
         served = []
