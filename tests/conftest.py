@@ -3,11 +3,25 @@
 from __future__ import annotations
 
 import socket
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+class FixedStepTimer:
+    """A modelled GPU whose every step takes ``step_s`` (token spacing known exactly)."""
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s = step_s
+
+    def step_time_s(self, prefill: Sequence[tuple[int, int]], decode: Sequence[int]) -> float:
+        return self.step_s
+
+    def decode_steps_time_s(self, decode_contexts: Sequence[int], num_steps: int) -> float:
+        return self.step_s * num_steps
 
 
 def free_port() -> int:

@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from conftest import FixedStepTimer
 from kiloserve.bench.client import ClientOptions, run_bench
 from kiloserve.bench.metrics import parse_slo, summarize
 from kiloserve.bench.report import write_report
@@ -29,19 +30,6 @@ from kiloserve.workload import ClosedLoop, OpenLoop, Workload, load_workload
 MODEL = "Llama-3.1-8B"
 STEP_S = 0.004
 TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "traces"
-
-
-class FixedStepTimer:
-    """A GPU whose every step takes ``step_s``."""
-
-    def __init__(self, step_s: float) -> None:
-        self.step_s = step_s
-
-    def step_time_s(self, prefill: Sequence[tuple[int, int]], decode: Sequence[int]) -> float:
-        return self.step_s
-
-    def decode_steps_time_s(self, decode_contexts: Sequence[int], num_steps: int) -> float:
-        return self.step_s * num_steps
 
 
 @contextlib.asynccontextmanager

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -12,25 +12,12 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 from test_gateway_fakes import gateway_config, running_gateway
 
-from conftest import free_port
+from conftest import FixedStepTimer, free_port
 from kiloserve.engine.faults import FaultSet
 from kiloserve.engine.server import TwinServer
 from kiloserve.engine.twin import TwinConfig
 
 MODEL = "Llama-3.1-8B"
-
-
-class FixedStepTimer:
-    """A GPU whose every step takes ``step_s``."""
-
-    def __init__(self, step_s: float) -> None:
-        self.step_s = step_s
-
-    def step_time_s(self, prefill: Sequence[tuple[int, int]], decode: Sequence[int]) -> float:
-        return self.step_s
-
-    def decode_steps_time_s(self, decode_contexts: Sequence[int], num_steps: int) -> float:
-        return self.step_s * num_steps
 
 
 @contextlib.asynccontextmanager

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from conftest import FixedStepTimer
 from kiloserve.engine.faults import FaultSet
 from kiloserve.engine.protocol import natural_output_tokens, output_text, render_chat
 from kiloserve.engine.server import TwinServer
@@ -28,19 +29,6 @@ from kiloserve.errors import ConfigError
 from kiloserve.tokens import count_tokens, tokenize
 
 PROMPT = "the fast node runs all load for the team"
-
-
-class FixedStepTimer:
-    """A GPU whose every step takes ``step_s`` (so token spacing is known exactly)."""
-
-    def __init__(self, step_s: float) -> None:
-        self.step_s = step_s
-
-    def step_time_s(self, prefill: Sequence[tuple[int, int]], decode: Sequence[int]) -> float:
-        return self.step_s
-
-    def decode_steps_time_s(self, decode_contexts: Sequence[int], num_steps: int) -> float:
-        return self.step_s * num_steps
 
 
 def _config(**kwargs: Any) -> TwinConfig:
