@@ -20,7 +20,7 @@ class FixedStepTimer:
     def step_time_s(self, prefill: Sequence[tuple[int, int]], decode: Sequence[int]) -> float:
         return self.step_s
 
-    def decode_steps_time_s(self, decode_contexts: Sequence[int], num_steps: int) -> float:
+    def decode_steps_time_s(self, num_seqs: int, context_tokens: int, num_steps: int) -> float:
         return self.step_s * num_steps
 
 

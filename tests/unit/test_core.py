@@ -26,9 +26,9 @@ class LinearTimer:
         prefill_us = sum(7 * new + 3 * computed for new, computed in prefill)
         return float(1000 + prefill_us + sum(decode_contexts) + 50 * len(decode_contexts))
 
-    def decode_steps_time_s(self, decode_contexts: Seq[int], num_steps: int) -> float:
-        batch = len(decode_contexts)
-        per_step = 1000 + sum(decode_contexts) + 50 * batch
+    def decode_steps_time_s(self, num_seqs: int, context_tokens: int, num_steps: int) -> float:
+        batch = num_seqs
+        per_step = 1000 + context_tokens + 50 * batch
         return float(num_steps * per_step + batch * num_steps * (num_steps - 1) // 2)
 
 

@@ -32,8 +32,8 @@ def test_prefill_is_compute_bound(h100_8b: StepTimeModel) -> None:
 
 def test_empty_step_takes_no_time(h100_8b: StepTimeModel) -> None:
     assert h100_8b.step_time_s([], []) == 0.0
-    assert h100_8b.decode_steps_time_s([], 10) == 0.0
-    assert h100_8b.decode_steps_time_s([100], 0) == 0.0
+    assert h100_8b.decode_steps_time_s(0, 0, 10) == 0.0
+    assert h100_8b.decode_steps_time_s(1, 100, 0) == 0.0
 
 
 def test_monotone_in_batch_and_context(h100_8b: StepTimeModel) -> None:
@@ -87,7 +87,9 @@ def test_decode_steps_equal_summed_single_steps(gpu: str, model: str, tp: int) -
         contexts = [rng.randint(1, 30_000) for _ in range(rng.randint(1, 400))]
         num_steps = rng.randint(1, 300)
         summed = sum(timing.step_time_s([], [c + i for c in contexts]) for i in range(num_steps))
-        assert timing.decode_steps_time_s(contexts, num_steps) == pytest.approx(summed, rel=1e-9)
+        assert timing.decode_steps_time_s(len(contexts), sum(contexts), num_steps) == pytest.approx(
+            summed, rel=1e-9
+        )
 
 
 def test_decode_steps_cross_from_compute_to_memory_bound(h100_8b: StepTimeModel) -> None:
@@ -100,7 +102,9 @@ def test_decode_steps_cross_from_compute_to_memory_bound(h100_8b: StepTimeModel)
 
     assert growth_s(999) > 10 * growth_s(1)
     summed = sum(h100_8b.step_time_s([], [c + i for c in contexts]) for i in range(1000))
-    assert h100_8b.decode_steps_time_s(contexts, 1000) == pytest.approx(summed, rel=1e-9)
+    assert h100_8b.decode_steps_time_s(len(contexts), sum(contexts), 1000) == pytest.approx(
+        summed, rel=1e-9
+    )
 
 
 def test_tensor_parallel_speeds_up_but_not_linearly() -> None:

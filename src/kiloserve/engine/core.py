@@ -8,8 +8,10 @@ would, and its duration is the timer's ``decode_steps_time_s`` for the batch.
 Timing contract (``StepTimer``): a prefill entry is ``(num_new_tokens,
 num_computed_tokens)`` (T new tokens over P already in the KV cache); a decode
 context is the number of tokens the decoded token attends to, including itself
-(``num_computed_tokens + 1``). ``decode_steps_time_s(contexts, k)`` must equal the sum
-of ``step_time_s([], [c + j for c in contexts])`` for ``j`` in ``0..k-1``.
+(``num_computed_tokens + 1``). ``decode_steps_time_s(len(contexts), sum(contexts), k)``
+must equal the sum of ``step_time_s([], [c + j for c in contexts])`` for ``j`` in
+``0..k-1`` (a decode run's time depends on the batch only through its size and its
+total context, so a fused run is timed in O(1)).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class StepTimer(Protocol):
         self, prefill: cabc.Sequence[tuple[int, int]], decode_contexts: cabc.Sequence[int]
     ) -> float: ...
 
-    def decode_steps_time_s(self, decode_contexts: cabc.Sequence[int], num_steps: int) -> float: ...
+    def decode_steps_time_s(self, num_seqs: int, context_tokens: int, num_steps: int) -> float: ...
 
 
 @dataclass(slots=True)
@@ -58,13 +60,18 @@ class EngineCore:
         self.scheduler = Scheduler(config)
         self._seqs: dict[str, Sequence] = {}  # unfinished sequences by id
         self._max_fast_forward_steps: int | None = None  # cached until the state changes
+        self._context_tokens: int | None = None  # sum of decode contexts, cached likewise
+
+    def _invalidate(self) -> None:
+        self._max_fast_forward_steps = None
+        self._context_tokens = None
 
     def add(self, seq: Sequence) -> None:
         """Queue ``seq``; raises RequestError if it is invalid or could never fit."""
         self._check_request(seq)
         self._seqs[seq.seq_id] = seq
         self.scheduler.add(seq)
-        self._max_fast_forward_steps = None
+        self._invalidate()
 
     def _check_request(self, seq: Sequence) -> None:
         cfg = self.config
@@ -76,7 +83,7 @@ class EngineCore:
             raise RequestError("prompt must not be empty", param="prompt")
         if seq.max_tokens < 1:
             raise RequestError("max_tokens must be at least 1", param="max_tokens")
-        if seq.output_token_ids or seq.num_computed_tokens or seq.block_table:
+        if seq.num_output_tokens or seq.num_computed_tokens or seq.block_table:
             raise RequestError(f"sequence {seq.seq_id!r} was already run")
         num_tokens = seq.num_prompt_tokens + seq.max_tokens
         if num_tokens > cfg.max_model_len:
@@ -100,7 +107,7 @@ class EngineCore:
         seq = self._seqs.pop(seq_id, None)
         if seq is not None:
             self.scheduler.abort(seq)
-            self._max_fast_forward_steps = None
+            self._invalidate()
         return seq
 
     def has_unfinished(self) -> bool:
@@ -112,7 +119,7 @@ class EngineCore:
 
     def step(self) -> StepResult:
         """Run one scheduler step; an idle engine returns a zero-length result."""
-        self._max_fast_forward_steps = None
+        self._invalidate()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return StepResult(duration_s=0.0, num_steps=0, num_preempted=batch.num_preempted)
@@ -150,15 +157,22 @@ class EngineCore:
         max_steps = self.max_fast_forward_steps()
         if max_steps == 0:
             return 0
-        contexts = [seq.num_computed_tokens + 1 for seq in self.scheduler.running]
         low, high = 0, max_steps
         while low < high:
             mid = (low + high + 1) // 2
-            if self.timer.decode_steps_time_s(contexts, mid) <= max_duration_s:
+            if self.fast_forward_time_s(mid) <= max_duration_s:
                 low = mid
             else:
                 high = mid - 1
         return low
+
+    def fast_forward_time_s(self, num_steps: int) -> float:
+        """Modelled time of the next ``num_steps`` fused decode steps (changes nothing)."""
+        if self._context_tokens is None:
+            running = self.scheduler.running
+            self._context_tokens = sum(seq.num_computed_tokens for seq in running) + len(running)
+        num_seqs = len(self.scheduler.running)
+        return self.timer.decode_steps_time_s(num_seqs, self._context_tokens, num_steps)
 
     def advance(self, num_steps: int) -> StepResult:
         """Run ``num_steps`` pure decode steps at once; same state and time as single steps."""
@@ -166,10 +180,9 @@ class EngineCore:
         if not 1 <= num_steps <= max_steps:
             raise KiloserveError(f"cannot fuse {num_steps} steps now (at most {max_steps})")
         running = self.scheduler.running
-        decode_contexts = [seq.num_computed_tokens + 1 for seq in running]
-        new_tokens = {seq.seq_id: num_steps for seq in running}
-        duration_s = self.timer.decode_steps_time_s(decode_contexts, num_steps)
-        self._max_fast_forward_steps = None
+        new_tokens = dict.fromkeys([seq.seq_id for seq in running], num_steps)
+        duration_s = self.fast_forward_time_s(num_steps)
+        self._invalidate()
         finished = self.scheduler.advance_decodes(num_steps)
         self._forget(finished)
         return StepResult(
@@ -177,7 +190,7 @@ class EngineCore:
             num_steps=num_steps,
             new_tokens=new_tokens,
             finished=finished,
-            num_decode_tokens=num_steps * len(decode_contexts),
+            num_decode_tokens=num_steps * len(running),
         )
 
     def _forget(self, finished: list[Sequence]) -> None:

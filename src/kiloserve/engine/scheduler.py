@@ -147,7 +147,7 @@ class Scheduler:
             if computed < seq.num_tokens:
                 continue  # mid-prefill chunk: no token yet
             seq.append_output_token()
-            if len(seq.output_token_ids) == seq.max_tokens:
+            if seq.num_output_tokens == seq.max_tokens:
                 finished.append(seq)
         self.finish(finished, None)
         return finished
@@ -174,7 +174,7 @@ class Scheduler:
             return 0
         max_steps = -1
         for seq in running:
-            num_output = len(seq.output_token_ids)
+            num_output = seq.num_output_tokens
             if not num_output or seq.num_computed_tokens != seq.num_tokens - 1:
                 return 0  # not decoding (seq.is_decoding, inlined)
             num_remaining = seq.max_tokens - num_output
@@ -255,7 +255,7 @@ class Scheduler:
         finished: list[Sequence] = []
         keyed: list[tuple[int, int, int, int]] = []  # (step, index, kind, computed tokens)
         for index, seq in enumerate(seqs):
-            if seq.max_tokens - len(seq.output_token_ids) == num_steps:
+            if seq.max_tokens - seq.num_output_tokens == num_steps:
                 finished.append(seq)
             seq.append_output_tokens(num_steps)  # hashes must exist before registering
             computed = seq.num_computed_tokens

@@ -63,6 +63,11 @@ class Sequence:
     ``max_tokens`` is the number of output tokens to produce; on reaching it the
     sequence finishes with ``stop_reason`` ("length" or "stop"). ``block_hashes``
     holds the chained hash of every full block of prompt + output tokens.
+
+    Output tokens are counted, not stored (``num_output_tokens``): their ids are a
+    function of the position (planned, else filler), so ``output_token_ids`` builds
+    them on demand and a fused run of k decode steps costs O(1), not O(k), until a
+    block fills up and is hashed.
     """
 
     seq_id: str
@@ -74,7 +79,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
-    output_token_ids: list[int] = field(default_factory=list)
+    num_output_tokens: int = field(init=False, default=0)
     block_table: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     num_preemptions: int = 0
@@ -84,7 +89,7 @@ class Sequence:
     num_tokens: int = field(init=False, default=0)  # prompt + output, kept for speed
 
     def __post_init__(self) -> None:
-        self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
+        self.num_tokens = len(self.prompt_token_ids)
         self.block_hashes = []
         self._hash_new_blocks()
 
@@ -93,12 +98,13 @@ class Sequence:
         return len(self.prompt_token_ids)
 
     @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+    def output_token_ids(self) -> list[int]:
+        """The ids generated so far (built on demand: planned ids, then filler)."""
+        return self._next_token_ids(0, self.num_output_tokens)
 
     @property
     def num_remaining_output_tokens(self) -> int:
-        return self.max_tokens - len(self.output_token_ids)
+        return self.max_tokens - self.num_output_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -107,24 +113,18 @@ class Sequence:
     @property
     def is_decoding(self) -> bool:
         """Prompt done and only the last generated token left to compute."""
-        return bool(self.output_token_ids) and self.num_computed_tokens == self.num_tokens - 1
+        return self.num_output_tokens > 0 and self.num_computed_tokens == self.num_tokens - 1
 
     def append_output_token(self) -> None:
         """Generate the next output token (the per-step hot path)."""
-        index = len(self.output_token_ids)
-        planned = self.planned_output_token_ids
-        if planned is not None and index < len(planned):
-            self.output_token_ids.append(planned[index])
-        else:
-            self.output_token_ids.append(output_token_id(index))
+        self.num_output_tokens += 1
         self.num_tokens += 1
         if self.num_tokens % self.block_size == 0:
             self._hash_new_blocks()
 
     def append_output_tokens(self, num_tokens: int) -> None:
         """Generate the next ``num_tokens`` output tokens and hash newly full blocks."""
-        start = len(self.output_token_ids)
-        self.output_token_ids += self._next_token_ids(start, start + num_tokens)
+        self.num_output_tokens += num_tokens
         self.num_tokens += num_tokens
         if self.num_tokens >= (len(self.block_hashes) + 1) * self.block_size:
             self._hash_new_blocks()  # a block filled up (most fused runs fill none)
@@ -148,7 +148,7 @@ class Sequence:
 
     def _hash_new_blocks(self) -> None:
         size = self.block_size
-        prompt, output = self.prompt_token_ids, self.output_token_ids
+        prompt = self.prompt_token_ids
         num_prompt = len(prompt)
         hashes = self.block_hashes
         prev = hashes[-1] if hashes else 0
@@ -157,8 +157,8 @@ class Sequence:
             if end <= num_prompt:
                 chunk = prompt[begin:end]
             elif begin >= num_prompt:
-                chunk = output[begin - num_prompt : end - num_prompt]
+                chunk = self._next_token_ids(begin - num_prompt, end - num_prompt)
             else:
-                chunk = prompt[begin:] + output[: end - num_prompt]
+                chunk = prompt[begin:] + self._next_token_ids(0, end - num_prompt)
             prev = chain_block_hash(prev, chunk)
             hashes.append(prev)

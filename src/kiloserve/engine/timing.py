@@ -133,14 +133,12 @@ class StepTimeModel:
         overhead_s += self._allreduce_s_per_token * (prefill_tokens + num_decodes)
         return max(compute_s, memory_s) + overhead_s
 
-    def decode_steps_time_s(self, decode_contexts: Sequence[int], num_steps: int) -> float:
-        """Total time of ``num_steps`` pure decode steps of the same batch, contexts
-        growing by one per step; equals summing ``step_time_s([], ...)``, in O(1)
-        after one pass over the contexts."""
-        num_seqs = len(decode_contexts)
-        if num_steps <= 0 or num_seqs == 0:
+    def decode_steps_time_s(self, num_seqs: int, context_tokens: int, num_steps: int) -> float:
+        """Total time of ``num_steps`` pure decode steps of a batch of ``num_seqs``
+        sequences whose contexts sum to ``context_tokens``, each growing by one per
+        step; equals summing ``step_time_s([], ...)``, in O(1)."""
+        if num_steps <= 0 or num_seqs <= 0:
             return 0.0
-        context_tokens = sum(decode_contexts)
         # compute(i) = c0 + c1 i and memory(i) = m0 + m1 i: total context grows by num_seqs.
         c0 = self._decode_compute_s(num_seqs, context_tokens)
         c1 = self._attention_flops * num_seqs / self._decode_flops_rate

@@ -38,7 +38,15 @@ class BackendModel:
 class SimBackend:
     """A backend's engine, its in-flight requests and its busy time."""
 
-    def __init__(self, index: int, backend_id: str, model: BackendModel, *, fast_forward: bool):
+    def __init__(
+        self,
+        index: int,
+        backend_id: str,
+        model: BackendModel,
+        *,
+        fast_forward: bool,
+        changed: set[int] | None = None,
+    ) -> None:
         self.index = index
         self.backend_id = backend_id
         self.model = model
@@ -55,10 +63,19 @@ class SimBackend:
         self.num_fused_steps = 0  # steps modelled inside fused runs
         self.state_version = 0  # bumped whenever the engine's state may have changed
         self.scraped_version = -1  # state_version at the last successful scrape
+        # indices of backends whose state changed since the gateway's last scrape round
+        # (shared by the cluster's backends; a private set when built alone)
+        self.changed: set[int] = set() if changed is None else changed
+        self.changed.add(index)
+        self.run_serial = 0  # bumped for every planned fused run
         self._pending: StepResult | None = None
         self._run_start_s = 0.0
         self._num_run_steps = 0  # planned fused steps, not yet committed
         self.last_step_start_s = math.inf  # when the planned run's last step starts
+
+    def _touch(self) -> None:
+        self.state_version += 1
+        self.changed.add(self.index)
 
     @property
     def is_alive(self) -> bool:
@@ -74,7 +91,7 @@ class SimBackend:
         if core is None or seq is None:
             raise RuntimeError("add on a dead backend or without a sequence")  # a sim bug
         core.add(seq)
-        self.state_version += 1
+        self._touch()
         self.requests[seq.seq_id] = request
         self.awaiting_first_token[seq.seq_id] = request
 
@@ -88,14 +105,14 @@ class SimBackend:
         if self.is_fast_forward:
             num_steps = core.max_fast_forward_steps()
             if num_steps >= 2:
-                contexts = _contexts(core)
-                duration_s = core.timer.decode_steps_time_s(contexts, num_steps)
-                before_last_s = core.timer.decode_steps_time_s(contexts, num_steps - 1)
+                duration_s = core.fast_forward_time_s(num_steps)
+                before_last_s = core.fast_forward_time_s(num_steps - 1)
                 self._run_start_s, self._num_run_steps = now_s, num_steps
+                self.run_serial += 1
                 self.last_step_start_s = now_s + before_last_s * self.slowdown
                 return self._busy_until(now_s + duration_s * self.slowdown)
         result = core.step()
-        self.state_version += 1
+        self._touch()
         if result.num_steps == 0:
             return None  # nothing schedulable (cannot happen with a valid queue)
         self._pending = result
@@ -144,7 +161,7 @@ class SimBackend:
             raise RuntimeError("commit on a dead backend")  # a simulator bug, never input
         result = core.advance(num_steps)
         self.last_step_start_s = math.inf
-        self.state_version += 1
+        self._touch()
         self.num_steps += num_steps
         self.num_fused_steps += num_steps
         self._pending = result
@@ -165,17 +182,13 @@ class SimBackend:
         """A fresh engine (empty cache) and the configured slowdown."""
         if self.core is None:
             self.core = EngineCore(self.model.engine_config, self.model.timer)
-            self.state_version += 1
+            self._touch()
         self.slowdown = self.model.base_slowdown
 
     def _reset_work(self) -> None:
-        self.state_version += 1
+        self._touch()
         self.generation += 1
         self.is_busy = False
         self._pending = None
         self._num_run_steps = 0
         self.last_step_start_s = math.inf
-
-
-def _contexts(core: EngineCore) -> list[int]:
-    return [seq.num_computed_tokens + 1 for seq in core.scheduler.running]

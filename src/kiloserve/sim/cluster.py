@@ -88,11 +88,13 @@ def build_backends(cfg: ClusterConfig, *, fast_forward: bool = True) -> list[Sim
     """One ``SimBackend`` per expanded backend, in YAML order."""
     models: dict[str, BackendModel] = {}
     out: list[SimBackend] = []
+    changed: set[int] = set()  # one set for the cluster: the scrape round's work list
     for index, item in enumerate(cfg.expanded()):
         shared = models.get(item.spec.name)
         if shared is None:
             shared = models[item.spec.name] = backend_model(item.spec)
-        out.append(SimBackend(index, item.name, shared, fast_forward=fast_forward))
+        backend = SimBackend(index, item.name, shared, fast_forward=fast_forward, changed=changed)
+        out.append(backend)
     return out
 
 

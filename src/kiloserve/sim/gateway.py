@@ -128,17 +128,27 @@ class SimGateway:
         self.policy.on_complete(info, backend_id, outcome)
 
     def scrape(self, now_s: float) -> None:
-        """One scrape round over every backend, then the staleness rule."""
-        table = self.table
-        for backend, record in zip(self.backends, self._records, strict=True):
+        """One scrape round over every backend, then the staleness rule.
+
+        A live backend whose engine has not changed since its last good scrape would
+        only have its scrape time moved. While every backend is alive and nothing can
+        go stale between rounds, nothing reads that time, so only the backends that
+        changed (``SimBackend.changed``) are visited; otherwise every one is.
+        """
+        table, backends = self.table, self.backends
+        changed = backends[0].changed if backends else set()
+        is_all_alive = all(b.core is not None for b in backends)
+        if is_all_alive and self.cfg.stale_after_s >= self.cfg.scrape_interval_s:
+            for index in sorted(changed):
+                scrape_into(table, self._records[index], backends[index], now_s)
+            changed.clear()
+            return
+        changed.clear()
+        for backend, record in zip(backends, self._records, strict=True):
             is_same = backend.scraped_version == backend.state_version
             is_fresh = record.last_scrape_ok_s is not None and not record.state.scrape_stale
             if is_same and is_fresh and backend.core is not None:
                 record.last_scrape_ok_s = now_s  # unchanged: the fast path, inlined
                 continue
             scrape_into(table, record, backend, now_s)
-        # Every live backend was just scraped, so only failing ones can turn stale.
-        if self.cfg.stale_after_s < self.cfg.scrape_interval_s or not all(
-            b.is_alive for b in self.backends
-        ):
-            table.refresh_staleness(now_s)
+        table.refresh_staleness(now_s)

@@ -25,13 +25,14 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from pathlib import Path
+from typing import NamedTuple
 
 from kiloserve.workload import RequestSpec, Workload, parse_workload_spec, read_trace
 from kiloserve.workload.prompts import BLOCK_TOKENS
 from kiloserve.workload.sessions import parse_sessions
 from kiloserve.workload.synthetic import parse_prefix_groups
 
-__all__ = ["IdPool", "PromptIds", "run_key"]
+__all__ = ["IdPool", "Prompt", "PromptIds", "run_key"]
 
 POOL_SIZE = 1 << 18
 _POOL_BASE = 1 << 31  # above the 32-bit first ids' typical range; all ids < 2^32
@@ -39,8 +40,25 @@ _POOL_BASE = 1 << 31  # above the 32-bit first ids' typical range; all ids < 2^3
 
 def run_key(key: str) -> tuple[int, int]:
     """(first id, offset) of the text named ``key``: a 64-bit blake2b hash, split."""
-    value = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+    value = _key_hash(key)
     return value & 0xFFFF_FFFF, value >> 32
+
+
+def _key_hash(key: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+
+
+class Prompt(NamedTuple):
+    """A prompt's ids, and where its request-unique text starts (for block hashing).
+
+    ``unique_from`` is None when no tail is known to be unique (sessions: a later turn
+    repeats this prompt); else every token from there on is text named by
+    ``unique_key`` (a 64-bit hash of the unique run's name) and by no other request.
+    """
+
+    token_ids: list[int]
+    unique_from: int | None = None
+    unique_key: int = 0
 
 
 class IdPool:
@@ -106,25 +124,32 @@ class PromptIds:
 
     def token_ids(self, spec: RequestSpec) -> list[int]:
         """The prompt's ids (exactly ``spec.input_tokens`` of them)."""
+        return self.prompt(spec).token_ids
+
+    def prompt(self, spec: RequestSpec) -> Prompt:
+        """The prompt's ids and its unique tail (see ``Prompt``)."""
         num_tokens = max(1, spec.input_tokens)
         if spec.session_id is not None and self._kind == "sessions":
-            return self._session_ids(spec, num_tokens)
+            return Prompt(self._session_ids(spec, num_tokens))
+        ids: list[int] = []
         if spec.prefix_group is not None:
             if self._kind == "mooncake":
-                return self._mooncake_ids(spec, num_tokens)
-            if self._prefix_tokens and spec.prefix_group.startswith("group-"):
-                return self._group_ids(spec, num_tokens)
-        return self._unique(spec.request_id, num_tokens)
+                ids = self._mooncake_ids(spec, num_tokens)
+            elif self._prefix_tokens and spec.prefix_group.startswith("group-"):
+                head = min(self._prefix_tokens, num_tokens)
+                ids = self.run_ids(f"g/{self._seed}/{spec.prefix_group}", head)
+        if len(ids) >= num_tokens:
+            return Prompt(ids)
+        name = self._unique_name(spec.request_id)
+        unique_from = len(ids)
+        ids += self.run_ids(name, num_tokens - unique_from)
+        return Prompt(ids, unique_from, _key_hash(name))
+
+    def _unique_name(self, request_id: str) -> str:
+        return f"u/{self._seed}/{request_id}"
 
     def _unique(self, name: str, num_tokens: int) -> list[int]:
-        return self.run_ids(f"u/{self._seed}/{name}", num_tokens)
-
-    def _group_ids(self, spec: RequestSpec, num_tokens: int) -> list[int]:
-        head = min(self._prefix_tokens, num_tokens)
-        ids = self.run_ids(f"g/{self._seed}/{spec.prefix_group}", head)
-        if num_tokens > head:
-            ids += self._unique(spec.request_id, num_tokens - head)
-        return ids
+        return self.run_ids(self._unique_name(name), num_tokens)
 
     def _mooncake_ids(self, spec: RequestSpec, num_tokens: int) -> list[int]:
         index = _trailing_int(spec.request_id)
@@ -135,8 +160,6 @@ class PromptIds:
             if left <= 0:
                 break
             ids += self.run_ids(f"m/{h}", min(BLOCK_TOKENS, left))
-        if len(ids) < num_tokens:
-            ids += self._unique(spec.request_id, num_tokens - len(ids))
         return ids
 
     def _session_ids(self, spec: RequestSpec, num_tokens: int) -> list[int]:

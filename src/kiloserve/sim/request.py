@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from kiloserve.engine.sequence import Sequence
 from kiloserve.policies.base import RequestInfo
+from kiloserve.sim.prompts import Prompt
 from kiloserve.workload import RequestSpec
 
 __all__ = ["SimRequest"]
@@ -21,7 +22,7 @@ class SimRequest:
 
     spec: RequestSpec
     info: RequestInfo
-    token_ids: list[int]
+    prompt: Prompt
     arrival_s: float
     ranked: tuple[int, ...] = ()
     attempt: int = 0

@@ -1,15 +1,25 @@
-"""``SimSequence``: the engine's ``Sequence`` with a faster chained block hash.
+"""``SimSequence``: the engine's ``Sequence`` with cheaper chained block hashes.
 
 The engine hashes every full block with crc32 + adler32 over packed bytes
 (``chain_block_hash``, ~7 us a block in CPython), so a 1,000-token prompt costs ~0.4
 ms before it is even scheduled: most of a simulated request's budget. Block hashes are
 opaque to the scheduler and block manager (only equality matters: equal chained
-hashes mean equal prefixes), so the simulator chains Python's tuple hash instead,
-which is deterministic for ints (``PYTHONHASHSEED`` only salts str and bytes) and
-~10x faster. Everything else (scheduling, allocation, caching, eviction) is the
-engine's unchanged code. Hash values differ from the twin's; the gateway's prefix
-hashes in the simulator are taken from the same ``SimSequence``, so routing sees a
-consistent equality structure.
+hashes mean equal prefixes), so the simulator uses two cheaper rules that keep that
+meaning:
+
+* shared text: chain Python's tuple hash, ``hash((prev, block_tokens_tuple))``, which
+  is deterministic for ints (``PYTHONHASHSEED`` only salts str and bytes) and ~10x
+  faster;
+* text known to be this request's own (``unique_key`` set: every prompt token from
+  ``unique_from`` on, and so every later block, belongs to this prompt alone):
+  block ``b`` of such a prefix is ``hash((unique_key, b))``. Two blocks get equal
+  hashes only for the same key and index, i.e. the same prompt (a retry, or the
+  sequence itself after a preemption), whose prefixes are equal; no tokens are read.
+
+Everything else (scheduling, allocation, caching, eviction) is the engine's unchanged
+code. Hash values differ from the twin's; the gateway's prefix hashes in the simulator
+are taken from the same ``SimSequence``, so routing sees a consistent equality
+structure.
 """
 
 from __future__ import annotations
@@ -23,30 +33,46 @@ __all__ = ["SimSequence"]
 
 @dataclass(slots=True, eq=False)
 class SimSequence(Sequence):
-    """A ``Sequence`` whose block hashes chain ``hash((prev, block_tokens_tuple))``."""
+    """A ``Sequence`` with tuple-hash chains and index hashes for unique text."""
+
+    unique_key: int | None = None  # set: tokens from unique_from on are this prompt's own
+    unique_from: int = 0
 
     def _hash_new_blocks(self) -> None:
         size = self.block_size
-        if self.num_tokens < (len(self.block_hashes) + 1) * size:
+        begin, end = len(self.block_hashes), self.num_tokens // size
+        if end <= begin:
             return  # no new full block (most calls, from fused decode runs)
-        prompt, output = self.prompt_token_ids, self.output_token_ids
+        key = self.unique_key
+        if key is None:
+            self._hash_tokens(begin, end)
+            return
+        first_unique = self.unique_from // size  # the first block holding a unique token
+        if begin < first_unique:
+            self._hash_tokens(begin, min(end, first_unique))
+        if end > first_unique:
+            self.block_hashes += [hash((key, b)) for b in range(max(begin, first_unique), end)]
+
+    def _hash_tokens(self, begin_block: int, end_block: int) -> None:
+        """Chain the tuple hash over blocks ``begin_block .. end_block - 1``."""
+        size = self.block_size
+        prompt = self.prompt_token_ids
         num_prompt = len(prompt)
         hashes = self.block_hashes
         prev = hashes[-1] if hashes else 0
-        begin = len(hashes) * size
-        num_full_prompt = num_prompt - num_prompt % size
+        begin, stop = begin_block * size, end_block * size
+        num_full_prompt = min(stop, num_prompt - num_prompt % size)
         if begin < num_full_prompt:  # whole prompt blocks: tuples built in C
             for block in zip(*[iter(prompt[begin:num_full_prompt])] * size, strict=False):
                 prev = hash((prev, block))
                 hashes.append(prev)
             begin = num_full_prompt
-        last = self.num_tokens - size
-        while begin <= last:
+        while begin < stop:
             end = begin + size
             if begin >= num_prompt:
-                block = tuple(output[begin - num_prompt : end - num_prompt])
+                block = tuple(self._next_token_ids(begin - num_prompt, end - num_prompt))
             else:
-                block = (*prompt[begin:], *output[: end - num_prompt])
+                block = (*prompt[begin:], *self._next_token_ids(0, end - num_prompt))
             prev = hash((prev, block))
             hashes.append(prev)
             begin = end

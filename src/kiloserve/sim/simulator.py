@@ -10,6 +10,7 @@ workload one at a time, so memory does not grow with the number of requests.
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from kiloserve.sim.events import (
 )
 from kiloserve.sim.faults import FaultEvent
 from kiloserve.sim.gateway import ModelPicker, SimGateway
-from kiloserve.sim.prompts import PromptIds
+from kiloserve.sim.prompts import Prompt, PromptIds
 from kiloserve.sim.request import SimRequest
 from kiloserve.sim.results import MetricsCollector, TimeSeries
 from kiloserve.sim.sequence import SimSequence as EngineSequence
@@ -89,6 +90,8 @@ class Simulator:
         self._num_pushed = 0
         self._counts = _Counts(last_busy_s=[0.0] * len(backends))
         self._is_arriving = True
+        # fused runs whose last step a scrape must see: (last step's start, index, run)
+        self._due_runs: list[tuple[float, int, int]] = []
         self._by_id = {b.backend_id: b for b in backends}
         for fault in faults:
             if fault.backend not in self._by_id:
@@ -150,10 +153,10 @@ class Simulator:
         self._push_next_arrival()
         self._counts.num_arrived += 1
         self._counts.last_arrival_s = now_s
-        ids = self.prompts.token_ids(spec)
-        seq = EngineSequence(spec.request_id, ids, spec.output_tokens, arrival_s=now_s)
+        prompt = self.prompts.prompt(spec)
+        seq = _new_sequence(spec.request_id, prompt, spec.output_tokens, now_s)
         info = self.gateway.profile(spec, self.models.pick(), seq)
-        request = SimRequest(spec, info, ids, now_s, seq=seq)
+        request = SimRequest(spec, info, prompt, now_s, seq=seq)
         request.ranked = self.gateway.decide(info, now_s)
         if not request.ranked:
             self._record_failure(request, 503, NO_BACKEND, now_s)
@@ -165,8 +168,8 @@ class Simulator:
         self.metrics.add_routing(request.spec.request_id, backend_id)
         backend = self.backends[request.backend_index]
         if request.attempt > 0 or request.seq is None:
-            request.seq = EngineSequence(
-                request.seq_id, request.token_ids, request.spec.output_tokens, arrival_s=now_s
+            request.seq = _new_sequence(
+                request.seq_id, request.prompt, request.spec.output_tokens, now_s
             )
         if not backend.is_alive:  # connection refused, answered after one round trip
             return [AttemptFailed(now_s + 2 * self.delay_s, request, CONNECT_ERROR)]
@@ -215,7 +218,7 @@ class Simulator:
             request_id=spec.request_id,
             scheduled_s=spec.arrival_s,
             start_s=request.arrival_s,
-            input_tokens=len(request.token_ids),
+            input_tokens=len(request.prompt.token_ids),
             max_tokens=spec.output_tokens,
             backend=backend_id,
             session_id=spec.session_id,
@@ -245,7 +248,13 @@ class Simulator:
 
     def _start(self, backend: SimBackend, now_s: float) -> list[Event]:
         end_s = backend.start(now_s)
-        return [] if end_s is None else [StepDone(end_s, backend.index, backend.generation)]
+        if end_s is None:
+            return []
+        if backend.last_step_start_s != math.inf:  # a fused run: a scrape may cut into it
+            heapq.heappush(
+                self._due_runs, (backend.last_step_start_s, backend.index, backend.run_serial)
+            )
+        return [StepDone(end_s, backend.index, backend.generation)]
 
     def on_step_done(self, index: int, generation: int, now_s: float) -> list[Event]:
         backend = self.backends[index]
@@ -267,7 +276,7 @@ class Simulator:
         awaiting = backend.awaiting_first_token
         if num_steps == 1 and awaiting:  # fused runs only decode: no first tokens there
             for seq_id, request in list(awaiting.items()):
-                if request.seq is not None and request.seq.output_token_ids:
+                if request.seq is not None and request.seq.num_output_tokens:
                     del awaiting[seq_id]
                     request.first_token_s = now_s
                     events.append(FirstToken(arrive_s, request))
@@ -280,11 +289,18 @@ class Simulator:
     # -- periodic and scheduled ----------------------------------------------------
     def on_scrape(self, now_s: float) -> list[Event]:
         events: list[Event] = []
-        for backend in self.backends:
-            if now_s >= backend.last_step_start_s:  # inlined sync_for_scrape (hot loop)
-                end_s = backend.sync(now_s)
-                if end_s is not None:
-                    events.append(StepDone(end_s, backend.index, backend.generation))
+        due, backends = self._due_runs, self.backends
+        indices: list[int] = []  # runs whose last step has started (sync_for_scrape's rule)
+        while due and due[0][0] <= now_s:
+            _, index, serial = heapq.heappop(due)
+            backend = backends[index]
+            if backend.run_serial == serial and now_s >= backend.last_step_start_s:
+                indices.append(index)
+        for index in sorted(indices):  # index order, as a loop over every backend would
+            backend = backends[index]
+            end_s = backend.sync(now_s)
+            if end_s is not None:
+                events.append(StepDone(end_s, backend.index, backend.generation))
         self.gateway.scrape(now_s)
         self._sample(now_s)
         counts = self._counts
@@ -328,3 +344,14 @@ class Simulator:
             else:
                 events.append(AttemptFailed(arrive_s, request, CONNECT_ERROR))
         return events
+
+
+def _new_sequence(seq_id: str, prompt: Prompt, max_tokens: int, now_s: float) -> EngineSequence:
+    return EngineSequence(
+        seq_id,
+        prompt.token_ids,
+        max_tokens,
+        arrival_s=now_s,
+        unique_key=None if prompt.unique_from is None else prompt.unique_key,
+        unique_from=prompt.unique_from or 0,
+    )
