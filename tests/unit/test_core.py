@@ -171,6 +171,32 @@ def test_fast_forward_steps_within_a_time_budget() -> None:
     assert core.fast_forward_steps_within(1e9) == 19
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_fast_forward_steps_within_equals_a_linear_scan(seed: int) -> None:
+    rng = random.Random(seed)
+    timer = StepTimeModel(get_gpu(rng.choice(["H100", "A100", "L40S"])), get_model("qwen3-14b"))
+    config = EngineConfig(
+        num_blocks=2000,
+        block_size=BS,
+        max_num_seqs=64,
+        max_num_batched_tokens=4096,
+        max_model_len=4096,
+    )
+    core = EngineCore(config, timer)
+    for index in range(rng.randint(1, 40)):
+        core.add(
+            make_seq(f"s{index}", rng.randint(1, 900), rng.randint(50, 400), base=index * 1000)
+        )
+    while core.max_fast_forward_steps() == 0:
+        core.step()
+    max_steps = core.max_fast_forward_steps()
+    totals = [core.fast_forward_time_s(k) for k in range(max_steps + 1)]
+    budgets = [rng.uniform(0, totals[-1] * 1.2) for _ in range(50)] + totals + [0.0, 1e-12]
+    for budget in budgets:
+        expected = max(k for k, total in enumerate(totals) if total <= budget)
+        assert core.fast_forward_steps_within(budget) == expected, budget
+
+
 def test_max_fast_forward_steps_stops_before_blocks_run_out() -> None:
     core = make_core(num_blocks=6)  # 5 usable blocks
     core.add(make_seq("a", 6, 12))

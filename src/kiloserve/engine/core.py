@@ -151,13 +151,24 @@ class EngineCore:
     def fast_forward_steps_within(self, max_duration_s: float) -> int:
         """Most fusable steps whose total modelled time is at most ``max_duration_s``.
 
-        Lets a simulator stop a fast-forward before its next event (binary search over
-        the timer's ``decode_steps_time_s``).
+        Lets a simulator stop a fast-forward before its next event. Steps only grow
+        (contexts grow), so ``max_duration_s`` over the first step's time bounds the
+        answer from above and over the last candidate step's time from below; a binary
+        search closes the (usually empty) gap.
         """
         max_steps = self.max_fast_forward_steps()
         if max_steps == 0:
             return 0
-        low, high = 0, max_steps
+        first_s = self.fast_forward_time_s(1)
+        if first_s > max_duration_s:
+            return 0
+        high = min(max_steps, int(max_duration_s / first_s) + 1)  # +1: float rounding
+        total_s = self.fast_forward_time_s(high)
+        if total_s <= max_duration_s:
+            return high
+        last_s = total_s - self.fast_forward_time_s(high - 1)  # the longest step up to high
+        low = max(1, min(high - 1, int(max_duration_s / last_s) - 1))  # -1: rounding
+        high -= 1  # high itself is too long
         while low < high:
             mid = (low + high + 1) // 2
             if self.fast_forward_time_s(mid) <= max_duration_s:

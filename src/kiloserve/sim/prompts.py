@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
 
+from kiloserve.sim.sequence import UNIQUE_INDEX_BITS
 from kiloserve.workload import RequestSpec, Workload, parse_workload_spec, read_trace
 from kiloserve.workload.prompts import BLOCK_TOKENS
 from kiloserve.workload.sessions import parse_sessions
@@ -53,7 +54,8 @@ class Prompt(NamedTuple):
 
     ``unique_from`` is None when no tail is known to be unique (sessions: a later turn
     repeats this prompt); else every token from there on is text named by
-    ``unique_key`` (a 64-bit hash of the unique run's name) and by no other request.
+    ``unique_key`` (a 64-bit hash of the unique run's name, low bits clear for the
+    block index: ``SimSequence``) and by no other request.
     """
 
     token_ids: list[int]
@@ -143,7 +145,7 @@ class PromptIds:
         name = self._unique_name(spec.request_id)
         unique_from = len(ids)
         ids += self.run_ids(name, num_tokens - unique_from)
-        return Prompt(ids, unique_from, _key_hash(name))
+        return Prompt(ids, unique_from, _key_hash(name) >> UNIQUE_INDEX_BITS << UNIQUE_INDEX_BITS)
 
     def _unique_name(self, request_id: str) -> str:
         return f"u/{self._seed}/{request_id}"

@@ -12,9 +12,12 @@ meaning:
   faster;
 * text known to be this request's own (``unique_key`` set: every prompt token from
   ``unique_from`` on, and so every later block, belongs to this prompt alone):
-  block ``b`` of such a prefix is ``hash((unique_key, b))``. Two blocks get equal
-  hashes only for the same key and index, i.e. the same prompt (a retry, or the
-  sequence itself after a preemption), whose prefixes are equal; no tokens are read.
+  block ``b`` of such a prefix hashes to ``unique_key + b``, where the key is a
+  64-bit hash of the request's text name with its low ``UNIQUE_INDEX_BITS`` bits
+  clear. Two blocks get equal hashes only for the same key and index, i.e. the same
+  prompt (a retry, or the sequence itself after a preemption), whose prefixes are
+  equal (a clash with a tuple hash has probability ~2^-40 per pair of blocks); no
+  tokens are read and a prompt's hashes are one ``range``.
 
 Everything else (scheduling, allocation, caching, eviction) is the engine's unchanged
 code. Hash values differ from the twin's; the gateway's prefix hashes in the simulator
@@ -28,7 +31,9 @@ from dataclasses import dataclass
 
 from kiloserve.engine.sequence import Sequence
 
-__all__ = ["SimSequence"]
+__all__ = ["UNIQUE_INDEX_BITS", "SimSequence"]
+
+UNIQUE_INDEX_BITS = 24  # block indices below 2^24 (268 M tokens at 16 per block)
 
 
 @dataclass(slots=True, eq=False)
@@ -51,7 +56,7 @@ class SimSequence(Sequence):
         if begin < first_unique:
             self._hash_tokens(begin, min(end, first_unique))
         if end > first_unique:
-            self.block_hashes += [hash((key, b)) for b in range(max(begin, first_unique), end)]
+            self.block_hashes += range(key + max(begin, first_unique), key + end)
 
     def _hash_tokens(self, begin_block: int, end_block: int) -> None:
         """Chain the tuple hash over blocks ``begin_block .. end_block - 1``."""
