@@ -4,16 +4,30 @@ shared prefixes, evictions and frees."""
 
 from __future__ import annotations
 
+import importlib.util
 import random
 from collections import OrderedDict
+from pathlib import Path
 
 from kiloserve.engine.block_manager import BlockManager
 from kiloserve.engine.sequence import Sequence
 
 BS = 4
+SOURCE = Path(__file__).resolve().parents[2] / "src" / "kiloserve" / "engine" / "block_manager.py"
 
 
-class OneAtATime(BlockManager):
+def _interpreted_block_manager() -> type[BlockManager]:
+    """``BlockManager`` run from its source file, never compiled: under the compiled
+    build (mypyc) an interpreted class cannot subclass the compiled one."""
+    spec = importlib.util.spec_from_file_location("_block_manager_reference", SOURCE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cls: type[BlockManager] = module.BlockManager
+    return cls
+
+
+class OneAtATime(_interpreted_block_manager()):  # type: ignore[misc]
     """The reference: every block taken and freed singly (the original loops)."""
 
     def _take_free_blocks(self, num_blocks: int) -> list[int]:

@@ -220,16 +220,20 @@ def test_waiting_head_that_fits_blocks_fast_forward() -> None:
     assert core.max_fast_forward_steps() == 0
 
 
+def fields(obj: object) -> dict[str, Any]:
+    """Every attribute of ``obj``, deep-copied. Under the compiled build (mypyc) classes
+    have neither ``__dict__`` nor ``__slots__``; ``__mypyc_attrs__`` names them."""
+    cls = type(obj)
+    names = getattr(cls, "__mypyc_attrs__", None) or getattr(cls, "__slots__", None)
+    return {name: copy.deepcopy(getattr(obj, name)) for name in names or vars(obj)}
+
+
 def snapshot(core: EngineCore) -> dict[str, Any]:
     sched = core.scheduler
-
-    def seq_state(seq: Sequence) -> dict[str, Any]:
-        return {name: copy.deepcopy(getattr(seq, name)) for name in Sequence.__slots__}
-
     return {
-        "manager": copy.deepcopy(vars(sched.block_manager)),
-        "waiting": [seq_state(s) for s in sched.waiting],
-        "running": [seq_state(s) for s in sched.running],
+        "manager": fields(sched.block_manager),
+        "waiting": [fields(s) for s in sched.waiting],
+        "running": [fields(s) for s in sched.running],
         "preemptions": sched.num_preemptions_total,
     }
 

@@ -11,10 +11,10 @@ counters; the simulator builds the same object from simulated engines.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+
+from kiloserve.policies.protocol import Policy  # pure module: see its docstring
 
 __all__ = [
     "BackendState",
@@ -135,21 +135,6 @@ class Outcome:
     ttft_ms: float | None = None
     tpot_ms: float | None = None
     output_tokens: int = 0
-
-
-@runtime_checkable
-class Policy(Protocol):
-    """Routing policy. ``choose`` is pure; hooks may update the policy's own state."""
-
-    name: str
-
-    def choose(
-        self, request: RequestInfo, snapshot: ClusterSnapshot, rng: random.Random
-    ) -> Decision: ...
-
-    def on_dispatch(self, request: RequestInfo, backend_id: str) -> None: ...
-
-    def on_complete(self, request: RequestInfo, backend_id: str, outcome: Outcome) -> None: ...
 
 
 def eligible(request: RequestInfo, snapshot: ClusterSnapshot) -> list[BackendState]:
