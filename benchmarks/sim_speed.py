@@ -16,15 +16,25 @@ seconds per wall second), against the target of >= 10,000 simulated requests per
 wall second at 1,024 GPUs. A miss is printed as a miss.
 
 Run: ``.venv/bin/python benchmarks/sim_speed.py [--num-requests N] [--policy P]``.
+``--compiled`` runs the same measurements with the mypyc build (``build-compiled/``,
+built first when missing or stale; docs/simulator.md); ``--both`` runs the pure and
+the compiled build, each in its own process, and prints the compiled/pure ratio.
+Every row and target line names the build it measured.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
+import kiloserve.sim.simulator
 from kiloserve.launch.config import ClusterConfig, load_cluster_config, parse_cluster_config
 from kiloserve.sim import simulate
 from kiloserve.workload import load_workload
@@ -34,9 +44,10 @@ TARGET_REQUESTS_PER_WALL_S = 10_000
 SEED_REQUESTS_PER_DAY_1024 = 6_200_000
 LOADS_PER_GPU = {"seed": SEED_REQUESTS_PER_DAY_1024 / 86_400 / 1024, "busy": 0.5}
 SIZES = (64, 256, 1024)
+COMPILED_DIR = ROOT / "build-compiled"
 HEADER = (
     f"{'load':<5} {'GPUs':>5} {'backends':>8} {'req/s':>7} {'wall s':>7} "
-    f"{'sim req/wall s':>14} {'sim req/CPU s':>13} {'real-time x':>11} {'TTFT p95':>9}"
+    f"{'sim req/wall s':>14} {'sim req/CPU s':>13} {'real-time x':>11} {'TTFT p95':>9} {'build':<8}"
 )
 
 
@@ -72,13 +83,61 @@ def run_one(cluster: ClusterConfig, load: str, num_requests: int, policy: str) -
     }
 
 
+def which_build() -> str:
+    """``compiled`` when the simulator runs from a C extension (mypyc), else ``pure``."""
+    is_compiled = not kiloserve.sim.simulator.__file__.endswith(".py")
+    return "compiled" if is_compiled else "pure"
+
+
+def run_builds(args: argparse.Namespace) -> int:
+    """``--compiled`` / ``--both``: this script once per build, each in its own process."""
+    if subprocess.run([sys.executable, str(ROOT / "scripts" / "build_compiled.py")]).returncode:
+        return 2
+    forwarded = [f"--num-requests={args.num_requests}", f"--policy={args.policy}",
+                 f"--sizes={args.sizes}", f"--loads={args.loads}"]  # fmt: skip
+    paths = [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x]
+    paths = [x for x in paths if Path(x).resolve() != COMPILED_DIR]
+    rows: dict[str, list[dict[str, float | str]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for build in ("pure", "compiled") if args.both else ("compiled",):
+            search = [str(COMPILED_DIR), *paths] if build == "compiled" else paths
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(search)}
+            out = Path(tmp) / f"{build}.json"
+            cmd = [sys.executable, __file__, *forwarded, f"--json-out={out}"]
+            if subprocess.run(cmd, env=env).returncode:
+                return 1
+            rows[build] = json.loads(out.read_text())
+            if {r["build"] for r in rows[build]} != {build}:
+                raise SystemExit(f"the {build} run did not import the {build} build")
+    if args.both:
+        print("compiled/pure (sim req/wall s):")
+        for pure, comp in zip(rows["pure"], rows["compiled"], strict=True):
+            ratio = float(comp["per_wall_s"]) / float(pure["per_wall_s"])
+            print(f"  {pure['load']:<5} {pure['gpus']:>5.0f} GPUs: {pure['per_wall_s']:.0f} "
+                  f"(pure) -> {comp['per_wall_s']:.0f} (compiled): {ratio:.2f}x")  # fmt: skip
+        for pure, comp in zip(rows["pure"], rows["compiled"], strict=True):
+            if pure["size"] == 1024:
+                verdicts = [f"{r['build']} {r['per_wall_s']:.0f} -> " + ("MET" if float(
+                    r["per_wall_s"]) >= TARGET_REQUESTS_PER_WALL_S else "NOT MET")
+                    for r in (pure, comp)]  # fmt: skip
+                print(f"target >= {TARGET_REQUESTS_PER_WALL_S} simulated req/wall s at 1,024 "
+                      f"GPUs ({pure['load']} load): {'; '.join(verdicts)}")  # fmt: skip
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--num-requests", type=int, default=6000, help="requests per run")
     p.add_argument("--policy", default="round_robin", help="routing policy")
     p.add_argument("--sizes", default=",".join(map(str, SIZES)), help="GPU counts")
     p.add_argument("--loads", default="seed,busy", help="operating points: seed,busy")
+    p.add_argument("--compiled", action="store_true", help="use the mypyc build (built if stale)")
+    p.add_argument("--both", action="store_true", help="pure and compiled, and their ratio")
+    p.add_argument("--json-out", type=Path, help=argparse.SUPPRESS)  # rows, for run_builds
     args = p.parse_args()
+    if args.compiled or args.both:
+        return run_builds(args)
+    build = which_build()
     base = load_cluster_config(ROOT / "examples" / "cluster-1024.yaml")
     print(f"policy {args.policy}, azure-conv trace, {args.num_requests} requests per run")
     print(HEADER)
@@ -89,15 +148,19 @@ def main() -> int:
             results[(load, size)] = r
             print(f"{load:<5} {r['gpus']:>5.0f} {r['backends']:>8.0f} {r['rate']:>7.1f} "
                   f"{r['wall_s']:>7.1f} {r['per_wall_s']:>14.0f} {r['per_cpu_s']:>13.0f} "
-                  f"{r['rtf']:>11.2f} {r['ttft_p95_ms']:>7.0f}ms")  # fmt: skip
+                  f"{r['rtf']:>11.2f} {r['ttft_p95_ms']:>7.0f}ms {build:<8}")  # fmt: skip
     for (load, size), r in results.items():
         if size == 1024:
             met = "MET" if r["per_wall_s"] >= TARGET_REQUESTS_PER_WALL_S else "NOT MET"
             print(f"target >= {TARGET_REQUESTS_PER_WALL_S} simulated req/wall s at 1,024 GPUs "
-                  f"({load} load): {r['per_wall_s']:.0f} -> {met}")  # fmt: skip
+                  f"({load} load, {build} build): {r['per_wall_s']:.0f} -> {met}")  # fmt: skip
             day_min = SEED_REQUESTS_PER_DAY_1024 / r["per_wall_s"] / 60
             print(f"  one simulated day of 6.2 M requests at this speed: {day_min:.0f} min "
                   f"(target < 10 min)")  # fmt: skip
+    if args.json_out is not None:
+        rows = [{"load": load, "size": size, "build": build, **r}
+                for (load, size), r in results.items()]  # fmt: skip
+        args.json_out.write_text(json.dumps(rows))
     return 0
 
 
