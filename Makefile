@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint typecheck unit venv clean
-.PHONY: real-engines
+.PHONY: real-engines compiled
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -38,5 +38,10 @@ real-engines:
 
 test: lint typecheck real-engines unit
 
+# Opt-in: the simulator's hot modules compiled with mypyc into build-compiled/ (a no-op
+# when up to date); use with PYTHONPATH=build-compiled. See docs/simulator.md.
+compiled: $(STAMP)
+	$(BIN)/python scripts/build_compiled.py
+
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) build build-compiled *.egg-info src/*.egg-info

@@ -21,6 +21,7 @@ rebuilds even when up to date; ``--out DIR`` writes elsewhere.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -181,6 +182,15 @@ def build(out_dir: Path, *, force: bool = False) -> bool:
         return False
     check_toolchain()
     WORK_DIR.mkdir(parents=True, exist_ok=True)
+    with (WORK_DIR / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one build at a time; a waiter then re-checks
+        if not force and is_up_to_date(out_dir):
+            return False
+        _build_locked(out_dir)
+    return True
+
+
+def _build_locked(out_dir: Path) -> None:
     stage = _stage_sources(WORK_DIR)
     stamp_hash = source_hash(stage / "kiloserve")  # what was built, even if src moves on
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -198,7 +208,6 @@ def build(out_dir: Path, *, force: bool = False) -> bool:
         (out_tmp / STAMP_NAME).write_text(json.dumps(stamp, indent=1) + "\n")
         shutil.rmtree(out_dir, ignore_errors=True)
         out_tmp.rename(out_dir)
-    return True
 
 
 def main() -> int:
