@@ -169,10 +169,21 @@ class BlockManager:
             ref_counts += [1] * num_fresh
             self._hashes += [None] * num_fresh
             self._num_fresh_blocks -= num_fresh
-        for _ in range(num_blocks - num_reused - num_fresh):
-            block_id = self._evict_lru()
-            ref_counts[block_id] = 1
-            taken.append(block_id)
+        num_evicted = num_blocks - num_reused - num_fresh
+        if num_evicted > 0:  # _evict_lru, inlined (the steady state: a full cache)
+            popitem, hashes, hash_to_block = (
+                self._free_cached.popitem,
+                self._hashes,
+                self._hash_to_block,
+            )
+            for _ in range(num_evicted):
+                block_id = popitem(False)[0]
+                block_hash = hashes[block_id]
+                if block_hash is not None:
+                    del hash_to_block[block_hash]
+                    hashes[block_id] = None
+                ref_counts[block_id] = 1
+                taken.append(block_id)
         return taken
 
     def _take_cached(self, block_id: int) -> None:
