@@ -25,6 +25,7 @@ import fcntl
 import hashlib
 import importlib.util
 import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -127,7 +128,7 @@ def check_toolchain() -> None:
         problems.append("mypy (provides mypyc): .venv/bin/pip install 'mypy>=1.10'")
     if importlib.util.find_spec("setuptools") is None:
         problems.append("setuptools: .venv/bin/pip install setuptools")
-    cc = shlex.split(sysconfig.get_config_var("CC") or "cc")[0]
+    cc = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")[0]
     if shutil.which(cc) is None:
         problems.append(f"a C compiler ({cc!r} not on PATH): e.g. apt-get install gcc")
     include_dir = Path(sysconfig.get_paths()["include"])
