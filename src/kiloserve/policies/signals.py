@@ -48,15 +48,11 @@ def candidates(request: RequestInfo, snapshot: ClusterSnapshot) -> list[BackendS
     ``base.eligible`` with ``BackendState.is_routable`` inlined (the hot path: one
     property call per backend per decision); the tests check both agree.
     """
-    pool = [
+    return [
         b
         for b in snapshot.pool(request.model)
-        if b.healthy and not b.draining and b.effective_weight > 0.0
+        if b.healthy and not b.draining and b.effective_weight > 0.0 and b.weight > 0.0
     ]
-    for b in pool:
-        if b.weight <= 0.0:
-            return [b for b in pool if b.weight > 0.0]
-    return pool
 
 
 def capacity_weight(b: BackendState) -> float:

@@ -80,16 +80,22 @@ class IdPool:
 
     def run_ids(self, key: str, num_tokens: int) -> list[int]:
         """Deterministic ids of ``num_tokens`` tokens of text named ``key``."""
+        return self.hashed_run_ids(_key_hash(key), num_tokens)
+
+    def hashed_run_ids(self, key_hash: int, num_tokens: int) -> list[int]:
+        """``run_ids`` of the key whose 64-bit hash (``run_key``'s) is ``key_hash``."""
         if num_tokens <= 0:
             return []
-        first, offset = run_key(key)
+        first, offset = key_hash & 0xFFFF_FFFF, key_hash >> 32
         rest = num_tokens - 1
         half = self._size // 2
         if rest > half:  # beyond the pool: fresh ints (still deterministic)
             return [first, *range(_POOL_BASE + half, _POOL_BASE + half + rest)]
         start = offset % half  # independent of the length: a shorter run is a prefix
-        out = self._pool[start : start + rest]
-        out.insert(0, first)
+        if start == 0:
+            return [first, *self._pool[:rest]]
+        out = self._pool[start - 1 : start + rest]  # one copy, then its head replaced
+        out[0] = first
         return out
 
 
@@ -142,10 +148,14 @@ class PromptIds:
                 ids = self.run_ids(f"g/{self._seed}/{spec.prefix_group}", head)
         if len(ids) >= num_tokens:
             return Prompt(ids)
-        name = self._unique_name(spec.request_id)
+        key_hash = _key_hash(self._unique_name(spec.request_id))
         unique_from = len(ids)
-        ids += self.run_ids(name, num_tokens - unique_from)
-        return Prompt(ids, unique_from, _key_hash(name) >> UNIQUE_INDEX_BITS << UNIQUE_INDEX_BITS)
+        tail = self._pool.hashed_run_ids(key_hash, num_tokens - unique_from)
+        if unique_from:
+            ids += tail
+        else:
+            ids = tail
+        return Prompt(ids, unique_from, key_hash >> UNIQUE_INDEX_BITS << UNIQUE_INDEX_BITS)
 
     def _unique_name(self, request_id: str) -> str:
         return f"u/{self._seed}/{request_id}"
