@@ -30,7 +30,7 @@ def _interpreted_block_manager() -> type[BlockManager]:
 class OneAtATime(_interpreted_block_manager()):  # type: ignore[misc]
     """The reference: every block taken and freed singly (the original loops)."""
 
-    def _take_free_blocks(self, num_blocks: int) -> list[int]:
+    def _take_free_blocks(self, num_blocks: int, num_counted: int | None = None) -> list[int]:
         return [self._take_free() for _ in range(num_blocks)]
 
     def deallocate(self, seq: Sequence) -> None:

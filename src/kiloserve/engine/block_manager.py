@@ -10,6 +10,17 @@ reusable), then never-used blocks, then cached blocks, least recently freed firs
 (LRU eviction). Cached blocks no sequence holds count as free, as in vLLM's
 ``kv_cache_usage_perc = 1 - free / (num_blocks - 1)``. Block state is created lazily,
 so a simulator can hold thousands of engines with large, mostly idle caches.
+
+Private blocks (a speed path for the simulator, same behaviour): a sequence may say
+that its blocks from ``private_from_block`` on hold text no other sequence has (the
+simulator knows which prompts are unique). No other sequence can hit such a block,
+so it is not entered in the hash index: registering it only counts it, and freeing a
+sequence puts its registered private blocks into the LRU as one *segment* (one entry,
+in the order single blocks would have gone in), evicted from its front like single
+blocks. The sequence itself finds what is left of its segment when it is re-admitted
+after a preemption, as it would find its hashes. Free counts, eviction order, hits
+and block ids are exactly those of the per-block path; what is saved is per-block
+Python work (a prompt's blocks move as a few list slices).
 """
 
 from __future__ import annotations
@@ -34,12 +45,18 @@ class BlockManager:
         self._free_uncached: list[int] = []
         self._free_cached: OrderedDict[int, None] = OrderedDict()
         self._hash_to_block: dict[int, int] = {}
+        # free private segments: LRU entries keyed by negative numbers (block ids are > 0),
+        # each a list of block ids in eviction order
+        self._segments: dict[int, list[int]] = {}
+        self._num_segment_blocks = 0
+        self._last_segment_key = 0
         self.prefix_cache_queries_tokens = 0
         self.prefix_cache_hits_tokens = 0
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_uncached) + self._num_fresh_blocks + len(self._free_cached)
+        num_cached = len(self._free_cached) - len(self._segments) + self._num_segment_blocks
+        return len(self._free_uncached) + self._num_fresh_blocks + num_cached
 
     @property
     def kv_usage(self) -> float:
@@ -47,49 +64,77 @@ class BlockManager:
 
     @property
     def num_cached_blocks(self) -> int:
-        """Blocks currently registered in the prefix cache (held or free)."""
-        return len(self._hash_to_block)
+        """Shared blocks registered in the prefix cache (held or free), plus free private
+        blocks still cached (held private blocks are not counted)."""
+        return len(self._hash_to_block) + self._num_segment_blocks
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def ref_count(self, block_id: int) -> int:
+        """Holders of a block at a shared position (private blocks are not counted)."""
         return self._ref_counts[block_id] if block_id < len(self._ref_counts) else 0
 
     def free_block_order(self) -> list[int]:
         """Ids of free, already-used blocks in the order they would be taken (for tests)."""
-        return list(reversed(self._free_uncached)) + list(self._free_cached)
+        order = list(reversed(self._free_uncached))
+        for key in self._free_cached:
+            if key < 0:
+                order += self._segments[key]
+            else:
+                order.append(key)
+        return order
+
+    @staticmethod
+    def _num_shared(seq: Sequence, num_blocks: int) -> int:
+        """How many of ``seq``'s first ``num_blocks`` blocks are shared (not private)."""
+        private = seq.private_from_block
+        return num_blocks if private is None else min(num_blocks, private)
 
     def find_cached_blocks(self, seq: Sequence) -> list[int]:
         """Leading blocks of ``seq`` present in the prefix cache.
 
         The last token is always left to compute (as in vLLM), so a full hit stops one
-        block short when the tokens fill whole blocks.
+        block short when the tokens fill whole blocks. Past the shared blocks, hits can
+        only be what is left of ``seq``'s own free private segment.
         """
         if not self.enable_prefix_caching:
             return []
         max_num_hit_blocks = (seq.num_tokens - 1) // self.block_size
+        num_shared = self._num_shared(seq, max_num_hit_blocks)
         hits: list[int] = []
-        for block_hash in seq.block_hashes[:max_num_hit_blocks]:
+        for block_hash in seq.block_hashes[:num_shared]:
             block_id = self._hash_to_block.get(block_hash)
             if block_id is None:
-                break
+                return hits
             hits.append(block_id)
+        if num_shared < max_num_hit_blocks and seq.free_segment_key:
+            segment = self._segments.get(seq.free_segment_key)
+            if segment:  # table order is the reverse of eviction order
+                hits += segment[::-1][: max_num_hit_blocks - num_shared]
         return hits
 
-    def can_allocate(self, cached_block_ids: list[int], num_new_tokens: int) -> bool:
-        """Room for a waiting sequence: its cache hits plus ``num_new_tokens`` after them."""
-        num_hit_tokens = len(cached_block_ids) * self.block_size
-        num_new_blocks = self.num_blocks_for(num_hit_tokens + num_new_tokens) - len(
-            cached_block_ids
-        )
-        num_free_hits = sum(1 for b in cached_block_ids if self._ref_counts[b] == 0)
+    def can_allocate(
+        self, cached_block_ids: list[int], num_new_tokens: int, seq: Sequence | None = None
+    ) -> bool:
+        """Room for a waiting sequence: its cache hits plus ``num_new_tokens`` after them
+        (``seq``, whose hits these are, is needed when it has private blocks)."""
+        num_hits = len(cached_block_ids)
+        num_new_blocks = self.num_blocks_for(num_hits * self.block_size + num_new_tokens)
+        num_new_blocks -= num_hits
+        num_shared = num_hits if seq is None else self._num_shared(seq, num_hits)
+        ref_counts = self._ref_counts
+        num_free_hits = num_hits - num_shared  # private hits are free segment blocks
+        num_free_hits += sum(1 for b in cached_block_ids[:num_shared] if ref_counts[b] == 0)
         return num_new_blocks + num_free_hits <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, cached_block_ids: list[int], num_new_tokens: int) -> None:
         """Admit ``seq``: take its cache hits, count the query, add blocks for new tokens."""
-        for block_id in cached_block_ids:
+        num_shared = self._num_shared(seq, len(cached_block_ids))
+        for block_id in cached_block_ids[:num_shared]:
             self._take_cached(block_id)
+        if num_shared < len(cached_block_ids):
+            self._take_segment(seq, len(cached_block_ids) - num_shared)
         num_hit_tokens = len(cached_block_ids) * self.block_size
         seq.block_table = list(cached_block_ids)
         seq.num_hashed_blocks = len(cached_block_ids)
@@ -100,6 +145,17 @@ class BlockManager:
             self.prefix_cache_queries_tokens += seq.num_tokens
             self.prefix_cache_hits_tokens += num_hit_tokens
         self._grow(seq, num_hit_tokens + num_new_tokens)
+
+    def _take_segment(self, seq: Sequence, num_blocks: int) -> None:
+        """Take the first ``num_blocks`` (in table order) of ``seq``'s free segment."""
+        key = seq.free_segment_key
+        segment = self._segments[key]
+        del segment[len(segment) - num_blocks :]
+        self._num_segment_blocks -= num_blocks
+        if not segment:
+            del self._segments[key]
+            del self._free_cached[key]
+            seq.free_segment_key = 0
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Room to compute ``num_new_tokens`` more tokens of a running sequence."""
@@ -114,14 +170,20 @@ class BlockManager:
         """Give ``seq`` one more block (used by fused decode steps)."""
         seq.block_table.append(self._take_free())
 
+    def take_free_blocks(self, num_blocks: int) -> list[int]:
+        """``num_blocks`` free blocks, as that many ``append_block`` calls would take
+        them (for fused decode steps that register nothing in between)."""
+        return self._take_free_blocks(num_blocks) if num_blocks > 1 else [self._take_free()]
+
     def register_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
-        """Cache every full block among the first ``num_tokens`` (computed) tokens."""
+        """Cache every full block among the first ``num_tokens`` (computed) tokens
+        (private blocks are only counted: nobody else can look them up)."""
         num_full_blocks = num_tokens // self.block_size
         if not self.enable_prefix_caching or num_full_blocks <= seq.num_hashed_blocks:
             return
         hash_to_block, hashes = self._hash_to_block, self._hashes
         block_table, block_hashes = seq.block_table, seq.block_hashes
-        for index in range(seq.num_hashed_blocks, num_full_blocks):
+        for index in range(seq.num_hashed_blocks, self._num_shared(seq, num_full_blocks)):
             block_hash = block_hashes[index]
             if block_hash not in hash_to_block:
                 block_id = block_table[index]
@@ -131,9 +193,14 @@ class BlockManager:
 
     def deallocate(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks, last block first (so tail blocks are evicted first)."""
+        table = seq.block_table
+        num_shared = self._num_shared(seq, len(table))
+        if num_shared < len(table):
+            self._free_private(seq, num_shared)
+            table = table[:num_shared]
         ref_counts, hashes = self._ref_counts, self._hashes
         free_uncached, free_cached = self._free_uncached, self._free_cached
-        for block_id in reversed(seq.block_table):
+        for block_id in reversed(table):
             num_refs = ref_counts[block_id] - 1
             ref_counts[block_id] = num_refs
             if num_refs > 0:
@@ -145,23 +212,39 @@ class BlockManager:
         seq.block_table = []
         seq.num_hashed_blocks = 0
 
+    def _free_private(self, seq: Sequence, begin: int) -> None:
+        """Free ``seq``'s private blocks (table from ``begin``), tail first: unregistered
+        ones to the uncached list, registered ones as one LRU segment."""
+        table = seq.block_table
+        end = max(begin, seq.num_hashed_blocks)  # registered: begin .. end - 1
+        if end < len(table):
+            self._free_uncached += table[end:][::-1]
+        if end > begin:
+            self._last_segment_key -= 1
+            key = self._last_segment_key
+            self._segments[key] = table[begin:end][::-1]
+            self._free_cached[key] = None
+            self._num_segment_blocks += end - begin
+            seq.free_segment_key = key
+
     def _grow(self, seq: Sequence, num_tokens: int) -> None:
-        num_new_blocks = -(-num_tokens // self.block_size) - len(seq.block_table)
+        num_blocks = len(seq.block_table)
+        num_new_blocks = -(-num_tokens // self.block_size) - num_blocks
         if num_new_blocks == 1:
             seq.block_table.append(self._take_free())
         elif num_new_blocks > 1:
-            seq.block_table += self._take_free_blocks(num_new_blocks)
+            num_counted = self._num_shared(seq, num_blocks + num_new_blocks) - num_blocks
+            seq.block_table += self._take_free_blocks(num_new_blocks, max(0, num_counted))
         self.register_full_blocks(seq, num_tokens)
 
-    def _take_free_blocks(self, num_blocks: int) -> list[int]:
-        """``num_blocks`` calls of ``_take_free`` in one go (same ids, same order)."""
+    def _take_free_blocks(self, num_blocks: int, num_counted: int | None = None) -> list[int]:
+        """``num_blocks`` calls of ``_take_free`` in one go (same ids, same order); only
+        the first ``num_counted`` (default all: the shared ones) get a reference count."""
         free_uncached, ref_counts = self._free_uncached, self._ref_counts
         num_reused = min(num_blocks, len(free_uncached))
         split = len(free_uncached) - num_reused
         taken = free_uncached[split:][::-1]
         del free_uncached[split:]
-        for block_id in taken:
-            ref_counts[block_id] = 1
         num_fresh = min(num_blocks - num_reused, self._num_fresh_blocks)
         if num_fresh > 0:
             first_id = len(ref_counts)
@@ -170,20 +253,12 @@ class BlockManager:
             self._hashes += [None] * num_fresh
             self._num_fresh_blocks -= num_fresh
         num_evicted = num_blocks - num_reused - num_fresh
-        if num_evicted > 0:  # _evict_lru, inlined (the steady state: a full cache)
-            popitem, hashes, hash_to_block = (
-                self._free_cached.popitem,
-                self._hashes,
-                self._hash_to_block,
-            )
-            for _ in range(num_evicted):
-                block_id = popitem(False)[0]
-                block_hash = hashes[block_id]
-                if block_hash is not None:
-                    del hash_to_block[block_hash]
-                    hashes[block_id] = None
-                ref_counts[block_id] = 1
-                taken.append(block_id)
+        if num_evicted > 0:
+            taken += self._evict(num_evicted)
+        if num_counted is None:
+            num_counted = num_blocks
+        for block_id in taken[:num_counted] if num_counted < num_blocks else taken:
+            ref_counts[block_id] = 1
         return taken
 
     def _take_cached(self, block_id: int) -> None:
@@ -200,14 +275,35 @@ class BlockManager:
             self._hashes.append(None)
             self._num_fresh_blocks -= 1
         else:
-            block_id = self._evict_lru()
+            block_id = self._evict(1)[0]
         self._ref_counts[block_id] = 1
         return block_id
 
-    def _evict_lru(self) -> int:
-        block_id, _ = self._free_cached.popitem(last=False)
-        block_hash = self._hashes[block_id]
-        if block_hash is not None:
-            del self._hash_to_block[block_hash]
-            self._hashes[block_id] = None
-        return block_id
+    def _evict(self, num_blocks: int) -> list[int]:
+        """Take ``num_blocks`` cached free blocks, least recently freed first."""
+        free_cached, segments = self._free_cached, self._segments
+        hashes, hash_to_block = self._hashes, self._hash_to_block
+        popitem = free_cached.popitem
+        taken: list[int] = []
+        while len(taken) < num_blocks:
+            key = popitem(False)[0]
+            if key > 0:  # a shared block: drop its hash
+                block_hash = hashes[key]
+                if block_hash is not None:
+                    del hash_to_block[block_hash]
+                    hashes[key] = None
+                taken.append(key)
+                continue
+            segment = segments[key]
+            num_wanted = num_blocks - len(taken)
+            if len(segment) > num_wanted:  # take its front, leave the rest first in line
+                taken += segment[:num_wanted]
+                del segment[:num_wanted]
+                free_cached[key] = None
+                free_cached.move_to_end(key, last=False)
+                self._num_segment_blocks -= num_wanted
+            else:
+                taken += segment
+                del segments[key]
+                self._num_segment_blocks -= len(segment)
+        return taken

@@ -126,7 +126,7 @@ class Scheduler:
             cached_block_ids = manager.find_cached_blocks(seq)
             num_hit_tokens = len(cached_block_ids) * self.config.block_size
             num_new = self._chunk(seq.num_tokens - num_hit_tokens, token_budget)
-            if not manager.can_allocate(cached_block_ids, num_new):
+            if not manager.can_allocate(cached_block_ids, num_new, seq):
                 break
             self.waiting.popleft()
             manager.allocate(seq, cached_block_ids, num_new)
@@ -247,13 +247,16 @@ class Scheduler:
         """Apply ``num_steps`` decode steps at once (``num_steps <= max_decode_steps()``).
 
         Blocks are added and registered in the order single steps would do it (by step,
-        then batch position), so the cache ends in exactly the same state.
+        then batch position), so the cache ends in exactly the same state. When no
+        shared block gets registered on the way (private blocks only count), the new
+        blocks are taken in one go and handed out in that order.
         """
         seqs = self.running  # finish() rebinds self.running, never mutates this list
         size = self.config.block_size
         is_caching = self.config.enable_prefix_caching
         finished: list[Sequence] = []
-        keyed: list[tuple[int, int, int, int]] = []  # (step, index, kind, computed tokens)
+        allocations: list[tuple[int, int]] = []  # (step, index)
+        registrations: list[tuple[int, int, int]] = []  # (step, index, computed tokens)
         for index, seq in enumerate(seqs):
             if seq.max_tokens - seq.num_output_tokens == num_steps:
                 finished.append(seq)
@@ -261,22 +264,44 @@ class Scheduler:
             computed = seq.num_computed_tokens
             first_step = len(seq.block_table) * size - computed + 1
             if first_step <= num_steps:
-                for step in range(first_step, num_steps + 1, size):
-                    keyed.append((step, index, _ALLOCATE, 0))
+                allocations += [(step, index) for step in range(first_step, num_steps + 1, size)]
             first_step = size - computed % size
             if is_caching and first_step <= num_steps:
-                for step in range(first_step, num_steps + 1, size):
-                    keyed.append((step, index, _REGISTER, computed + step))
+                private = seq.private_from_block
+                if private is not None and seq.num_hashed_blocks >= private:
+                    seq.num_hashed_blocks = (computed + num_steps) // size  # counted only
+                else:
+                    registrations += [
+                        (step, index, computed + step)
+                        for step in range(first_step, num_steps + 1, size)
+                    ]
             seq.num_computed_tokens = computed + num_steps
-        if keyed:
-            self._apply_block_events(seqs, keyed)
+        if registrations:
+            self._apply_block_events(seqs, allocations, registrations)
+        elif allocations:
+            self._hand_out_blocks(seqs, allocations)
         self.finish(finished, None)
         return finished
 
+    def _hand_out_blocks(self, seqs: list[Sequence], allocations: list[tuple[int, int]]) -> None:
+        """Blocks for decode steps that register nothing: taken at once, in step order."""
+        block_ids = self.block_manager.take_free_blocks(len(allocations))
+        if len(seqs) == 1:
+            seqs[0].block_table += block_ids
+            return
+        allocations.sort()
+        for (_, index), block_id in zip(allocations, block_ids, strict=True):
+            seqs[index].block_table.append(block_id)
+
     def _apply_block_events(
-        self, seqs: list[Sequence], keyed: list[tuple[int, int, int, int]]
+        self,
+        seqs: list[Sequence],
+        allocations: list[tuple[int, int]],
+        registrations: list[tuple[int, int, int]],
     ) -> None:
         """Allocate and register in single-step order: by step, batch index, then kind."""
+        keyed = [(step, index, _ALLOCATE, 0) for step, index in allocations]
+        keyed += [(step, index, _REGISTER, tokens) for step, index, tokens in registrations]
         keyed.sort()
         manager = self.block_manager
         for _, index, kind, num_tokens in keyed:

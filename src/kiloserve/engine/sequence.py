@@ -86,6 +86,10 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0  # leading blocks of block_table registered in the cache
     block_size: int = 16
+    # blocks from here on hold text no other sequence has (None: any may be shared);
+    # the block manager keeps them out of its hash index (see block_manager.py)
+    private_from_block: int | None = None
+    free_segment_key: int = 0  # the block manager's handle on this sequence's freed blocks
     num_tokens: int = field(init=False, default=0)  # prompt + output, kept for speed
 
     def __post_init__(self) -> None:

@@ -43,6 +43,11 @@ class SimSequence(Sequence):
     unique_key: int | None = None  # set: tokens from unique_from on are this prompt's own
     unique_from: int = 0
 
+    def __post_init__(self) -> None:
+        if self.unique_key is not None:  # the engine keeps these blocks out of its index
+            self.private_from_block = self.unique_from // self.block_size
+        Sequence.__post_init__(self)
+
     def _hash_new_blocks(self) -> None:
         size = self.block_size
         begin, end = len(self.block_hashes), self.num_tokens // size
