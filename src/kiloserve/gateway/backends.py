@@ -126,9 +126,19 @@ class BackendTable:
         rec = self._records.get(backend_id)
         return rec is not None and rec.state.is_routable
 
-    def snapshot(self, now_s: float) -> ClusterSnapshot:
-        """A view for one decision (live states; pools precomputed)."""
-        return ClusterSnapshot(now_s=now_s, backends=self._states, _by_model=dict(self._pools))
+    def snapshot(
+        self,
+        now_s: float,
+        eligible_by_model: dict[str, tuple[BackendState, ...]] | None = None,
+    ) -> ClusterSnapshot:
+        """A view for one decision (live states; pools precomputed; candidates too when
+        the caller tracks every health change: ``ClusterSnapshot.eligible_by_model``)."""
+        return ClusterSnapshot(
+            now_s=now_s,
+            backends=self._states,
+            _by_model=dict(self._pools),
+            eligible_by_model=eligible_by_model,
+        )
 
     def is_ready(self) -> bool:
         """True when at least one backend with known models is routable and reachable."""

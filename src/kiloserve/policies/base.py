@@ -93,6 +93,10 @@ class ClusterSnapshot:
     now_s: float
     backends: tuple[BackendState, ...]
     _by_model: dict[str, tuple[BackendState, ...]] = field(default_factory=dict, repr=False)
+    # Optional: each model's candidates (``signals.candidates``: eligible, static weight
+    # > 0), precomputed by a caller that sees every change of the health fields and
+    # weights (the simulator's gateway); None: filtered per decision.
+    eligible_by_model: dict[str, tuple[BackendState, ...]] | None = field(default=None, repr=False)
 
     def pool(self, model: str) -> tuple[BackendState, ...]:
         """Every backend serving ``model`` (healthy or not), in snapshot order."""

@@ -46,8 +46,14 @@ def candidates(request: RequestInfo, snapshot: ClusterSnapshot) -> list[BackendS
     """The backends a policy may pick, in snapshot order.
 
     ``base.eligible`` with ``BackendState.is_routable`` inlined (the hot path: one
-    property call per backend per decision); the tests check both agree.
+    property call per backend per decision); the tests check both agree. A snapshot
+    may carry them precomputed (``ClusterSnapshot.eligible_by_model``).
     """
+    known = snapshot.eligible_by_model
+    if known is not None:
+        eligible_pool = known.get(request.model)
+        if eligible_pool is not None:
+            return list(eligible_pool)
     return [
         b
         for b in snapshot.pool(request.model)

@@ -18,9 +18,9 @@ from collections.abc import Sequence
 
 from kiloserve.engine.sequence import Sequence as EngineSequence
 from kiloserve.errors import ConfigError
-from kiloserve.gateway.backends import BackendTable
+from kiloserve.gateway.backends import BackendRecord, BackendTable
 from kiloserve.gateway.config import GatewayConfig
-from kiloserve.policies.base import Outcome, Policy, RequestInfo
+from kiloserve.policies.base import BackendState, Outcome, Policy, RequestInfo
 from kiloserve.sim.backend import SimBackend
 from kiloserve.sim.cluster import scrape_into
 from kiloserve.sim.request import SimRequest
@@ -69,6 +69,9 @@ class SimGateway:
         self._index_of = {b.backend_id: b.index for b in backends}
         self._records = [self.table.record(b.backend_id) for b in backends]
         self._num_prefix_blocks = cfg.max_prefix_tokens // cfg.block_size
+        # each model's candidates; None after a scrape changed a backend's health (the
+        # only way health changes here: no admin drains, demotion or probes are modelled)
+        self._candidates: dict[str, tuple[BackendState, ...]] | None = None
 
     def profile(self, spec: RequestSpec, model: str, seq: EngineSequence) -> RequestInfo:
         """The profile the gateway builds for the bench client's request for ``spec``."""
@@ -86,7 +89,13 @@ class SimGateway:
     def decide(self, info: RequestInfo, now_s: float) -> tuple[int, ...]:
         """Backend indices to try, best first (at most ``retries + 1``)."""
         table = self.table
-        decision = self.policy.choose(info, table.snapshot(now_s), self.rng)
+        if self._candidates is None:
+            snapshot = table.snapshot(now_s)
+            self._candidates = {
+                model: tuple(b for b in snapshot.pool(model) if b.is_routable and b.weight > 0.0)
+                for model in table.served_models()
+            }
+        decision = self.policy.choose(info, table.snapshot(now_s, self._candidates), self.rng)
         pool = table.pool_ids(info.model)  # the gateway's own filter (app._decide),
         ranked: list[int] = []  # stopping once the proxy's retries are covered
         num_wanted = self.cfg.retries + 1
@@ -140,7 +149,7 @@ class SimGateway:
         is_all_alive = all(b.core is not None for b in backends)
         if is_all_alive and self.cfg.stale_after_s >= self.cfg.scrape_interval_s:
             for index in sorted(changed):
-                scrape_into(table, self._records[index], backends[index], now_s)
+                self._scrape_one(self._records[index], backends[index], now_s)
             changed.clear()
             return
         changed.clear()
@@ -150,5 +159,11 @@ class SimGateway:
             if is_same and is_fresh and backend.core is not None:
                 record.last_scrape_ok_s = now_s  # unchanged: the fast path, inlined
                 continue
-            scrape_into(table, record, backend, now_s)
+            self._scrape_one(record, backend, now_s)
         table.refresh_staleness(now_s)
+
+    def _scrape_one(self, record: BackendRecord, backend: SimBackend, now_s: float) -> None:
+        was_healthy = record.state.healthy
+        scrape_into(self.table, record, backend, now_s)
+        if record.state.healthy != was_healthy:
+            self._candidates = None
