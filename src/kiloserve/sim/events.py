@@ -55,7 +55,7 @@ class Arrival(Event):
     __slots__ = ("spec",)
 
     def __init__(self, time_s: float, spec: RequestSpec) -> None:
-        super().__init__(time_s)
+        self.time_s = time_s  # Event.__init__, inlined (one call less per event)
         self.spec = spec
 
     def handle(self, sim: Simulator) -> list[Event]:
@@ -66,7 +66,7 @@ class EngineAdd(Event):
     __slots__ = ("request",)
 
     def __init__(self, time_s: float, request: SimRequest) -> None:
-        super().__init__(time_s)
+        self.time_s = time_s
         self.request = request
 
     def handle(self, sim: Simulator) -> list[Event]:
@@ -77,7 +77,7 @@ class StepDone(Event):
     __slots__ = ("backend_index", "generation")
 
     def __init__(self, time_s: float, backend_index: int, generation: int) -> None:
-        super().__init__(time_s)
+        self.time_s = time_s
         self.backend_index = backend_index
         self.generation = generation
 
@@ -89,7 +89,7 @@ class FirstToken(Event):
     __slots__ = ("request",)
 
     def __init__(self, time_s: float, request: SimRequest) -> None:
-        super().__init__(time_s)
+        self.time_s = time_s
         self.request = request
 
     def handle(self, sim: Simulator) -> list[Event]:
@@ -109,7 +109,7 @@ class RequestDone(Event):
     __slots__ = ("failure", "request")
 
     def __init__(self, time_s: float, request: SimRequest, failure: Failure | None = None):
-        super().__init__(time_s)
+        self.time_s = time_s
         self.request = request
         self.failure = failure
 

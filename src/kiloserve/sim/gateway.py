@@ -72,6 +72,7 @@ class SimGateway:
         # each model's candidates; None after a scrape changed a backend's health (the
         # only way health changes here: no admin drains, demotion or probes are modelled)
         self._candidates: dict[str, tuple[BackendState, ...]] | None = None
+        self.num_dead = 0  # backends whose engine is down (kept by the simulator's faults)
 
     def profile(self, spec: RequestSpec, model: str, seq: EngineSequence) -> RequestInfo:
         """The profile the gateway builds for the bench client's request for ``spec``."""
@@ -146,8 +147,7 @@ class SimGateway:
         """
         table, backends = self.table, self.backends
         changed = backends[0].changed if backends else set()
-        is_all_alive = all(b.core is not None for b in backends)
-        if is_all_alive and self.cfg.stale_after_s >= self.cfg.scrape_interval_s:
+        if self.num_dead == 0 and self.cfg.stale_after_s >= self.cfg.scrape_interval_s:
             for index in sorted(changed):
                 self._scrape_one(self._records[index], backends[index], now_s)
             changed.clear()

@@ -329,6 +329,8 @@ class Simulator:
         if fault.kind == "slow":
             backend.slowdown = fault.factor
         else:
+            if not backend.is_alive:
+                self.gateway.num_dead -= 1
             backend.recover()
         return events
 
@@ -336,6 +338,7 @@ class Simulator:
         if not backend.is_alive:
             return []
         backend.sync(now_s)  # steps already started count as modelled work
+        self.gateway.num_dead += 1
         events: list[Event] = []
         arrive_s = now_s + self.delay_s
         for request in backend.die():
