@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import heapq
 import json
 import os
@@ -91,6 +92,13 @@ def test_same_seed_same_result_within_one_process(policy: str) -> None:
     assert first[1] == second[1]
     assert json.dumps(first[0], sort_keys=True) == json.dumps(second[0], sort_keys=True)
     assert first[0]["requests_ok"] == 150
+
+
+def test_a_run_restores_the_garbage_collector_settings() -> None:
+    thresholds = gc.get_threshold()
+    _run("round_robin")
+    assert gc.get_threshold() == thresholds
+    assert gc.get_freeze_count() == 0
 
 
 def test_another_seed_gives_another_random_routing() -> None:
