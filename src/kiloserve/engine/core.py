@@ -17,7 +17,6 @@ total context, so a fused run is timed in O(1)).
 from __future__ import annotations
 
 import collections.abc as cabc
-from dataclasses import dataclass, field
 from typing import Protocol
 
 from kiloserve.engine.config import EngineConfig
@@ -38,17 +37,65 @@ class StepTimer(Protocol):
     def decode_steps_time_s(self, num_seqs: int, context_tokens: int, num_steps: int) -> float: ...
 
 
-@dataclass(slots=True)
 class StepResult:
-    """What one step (or ``num_steps`` fused decode steps) did."""
+    """What one step (or ``num_steps`` fused decode steps) did.
 
-    duration_s: float
-    num_steps: int
-    new_tokens: dict[str, int] = field(default_factory=dict)
-    finished: list[Sequence] = field(default_factory=list)
-    num_preempted: int = 0
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
+    A plain class, not a dataclass: the compiled build (mypyc) runs a dataclass's
+    generated ``__init__`` as interpreted code, and one of these is made per step.
+    """
+
+    __slots__ = (
+        "duration_s",
+        "finished",
+        "new_tokens",
+        "num_decode_tokens",
+        "num_preempted",
+        "num_prefill_tokens",
+        "num_steps",
+    )
+
+    def __init__(
+        self,
+        duration_s: float,
+        num_steps: int,
+        new_tokens: dict[str, int] | None = None,
+        finished: list[Sequence] | None = None,
+        num_preempted: int = 0,
+        num_prefill_tokens: int = 0,
+        num_decode_tokens: int = 0,
+    ) -> None:
+        self.duration_s = duration_s
+        self.num_steps = num_steps
+        self.new_tokens: dict[str, int] = {} if new_tokens is None else new_tokens
+        self.finished: list[Sequence] = [] if finished is None else finished
+        self.num_preempted = num_preempted
+        self.num_prefill_tokens = num_prefill_tokens
+        self.num_decode_tokens = num_decode_tokens
+
+    def _key(self) -> tuple[object, ...]:
+        return (
+            self.duration_s,
+            self.num_steps,
+            self.new_tokens,
+            [id(seq) for seq in self.finished],
+            self.num_preempted,
+            self.num_prefill_tokens,
+            self.num_decode_tokens,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, StepResult) and self._key() == other._key()
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, like the dataclass it replaced
+
+    def __repr__(self) -> str:
+        finished = [seq.seq_id for seq in self.finished]
+        return (
+            f"StepResult(duration_s={self.duration_s!r}, num_steps={self.num_steps}, "
+            f"new_tokens={self.new_tokens!r}, finished={finished!r}, "
+            f"num_preempted={self.num_preempted}, num_prefill_tokens="
+            f"{self.num_prefill_tokens}, num_decode_tokens={self.num_decode_tokens})"
+        )
 
 
 class EngineCore:

@@ -20,7 +20,6 @@ reproduce the block allocations and cache registrations of single steps in order
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from kiloserve.engine.block_manager import BlockManager
 from kiloserve.engine.config import EngineConfig
@@ -32,13 +31,16 @@ _ALLOCATE = 0
 _REGISTER = 1
 
 
-@dataclass(slots=True)
 class ScheduledBatch:
-    """One step's work: ``(sequence, number of tokens to compute)`` in schedule order."""
+    """One step's work: ``(sequence, number of tokens to compute)`` in schedule order
+    (a plain class: see ``StepResult``)."""
 
-    seqs: list[Sequence] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
-    num_preempted: int = 0
+    __slots__ = ("num_new_tokens", "num_preempted", "seqs")
+
+    def __init__(self) -> None:
+        self.seqs: list[Sequence] = []
+        self.num_new_tokens: list[int] = []
+        self.num_preempted = 0
 
     @property
     def is_empty(self) -> bool:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import struct
 import zlib
-from dataclasses import dataclass, field
 from enum import Enum
 
 from kiloserve.tokens import FILLER_WORDS, tokenize
@@ -56,7 +55,6 @@ def chain_block_hash(prev_hash: int, block_token_ids: list[int]) -> int:
     return zlib.crc32(data) | (zlib.adler32(data) << 32)
 
 
-@dataclass(slots=True, eq=False)
 class Sequence:
     """A request's state in the engine; mutated only by the scheduler and block manager.
 
@@ -68,34 +66,74 @@ class Sequence:
     function of the position (planned, else filler), so ``output_token_ids`` builds
     them on demand and a fused run of k decode steps costs O(1), not O(k), until a
     block fills up and is hashed.
+
+    ``private_from_block``: blocks from this index on hold text no other sequence has
+    (None: any block may be shared); the block manager keeps them out of its hash
+    index (see block_manager.py). A plain class, not a dataclass: the compiled build
+    (mypyc) runs a dataclass's generated ``__init__`` as interpreted code.
     """
 
-    seq_id: str
-    prompt_token_ids: list[int]
-    max_tokens: int
-    arrival_s: float = 0.0
-    stop_reason: str = "length"
-    planned_output_token_ids: list[int] | None = None
-    status: SequenceStatus = SequenceStatus.WAITING
-    num_computed_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_output_tokens: int = field(init=False, default=0)
-    block_table: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    num_preemptions: int = 0
-    block_hashes: list[int] = field(default_factory=list)
-    num_hashed_blocks: int = 0  # leading blocks of block_table registered in the cache
-    block_size: int = 16
-    # blocks from here on hold text no other sequence has (None: any may be shared);
-    # the block manager keeps them out of its hash index (see block_manager.py)
-    private_from_block: int | None = None
-    free_segment_key: int = 0  # the block manager's handle on this sequence's freed blocks
-    num_tokens: int = field(init=False, default=0)  # prompt + output, kept for speed
+    __slots__ = (
+        "arrival_s",
+        "block_hashes",
+        "block_size",
+        "block_table",
+        "finish_reason",
+        "free_segment_key",
+        "max_tokens",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "num_hashed_blocks",
+        "num_output_tokens",
+        "num_preemptions",
+        "num_tokens",
+        "planned_output_token_ids",
+        "private_from_block",
+        "prompt_token_ids",
+        "seq_id",
+        "status",
+        "stop_reason",
+    )
 
-    def __post_init__(self) -> None:
-        self.num_tokens = len(self.prompt_token_ids)
-        self.block_hashes = []
+    def __init__(
+        self,
+        seq_id: str,
+        prompt_token_ids: list[int],
+        max_tokens: int,
+        arrival_s: float = 0.0,
+        stop_reason: str = "length",
+        planned_output_token_ids: list[int] | None = None,
+        *,
+        block_size: int = 16,
+        private_from_block: int | None = None,
+    ) -> None:
+        self.seq_id = seq_id
+        self.prompt_token_ids = prompt_token_ids
+        self.max_tokens = max_tokens
+        self.arrival_s = arrival_s
+        self.stop_reason = stop_reason
+        self.planned_output_token_ids = planned_output_token_ids
+        self.block_size = block_size
+        self.private_from_block = private_from_block
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.num_output_tokens = 0
+        self.block_table: list[int] = []
+        self.finish_reason: str | None = None
+        self.num_preemptions = 0
+        self.num_hashed_blocks = 0  # leading blocks of block_table registered in the cache
+        self.free_segment_key = 0  # the block manager's handle on this sequence's freed blocks
+        self.num_tokens = len(prompt_token_ids)  # prompt + output, kept for speed
+        self.block_hashes: list[int] = []
         self._hash_new_blocks()
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.seq_id!r}, prompt={self.num_prompt_tokens}, "
+            f"output={self.num_output_tokens}/{self.max_tokens}, status={self.status.name}, "
+            f"computed={self.num_computed_tokens}, blocks={self.block_table})"
+        )
 
     @property
     def num_prompt_tokens(self) -> int:

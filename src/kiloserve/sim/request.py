@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from kiloserve.engine.sequence import Sequence
 from kiloserve.policies.base import RequestInfo
 from kiloserve.sim.prompts import Prompt
@@ -12,24 +10,47 @@ from kiloserve.workload import RequestSpec
 __all__ = ["SimRequest"]
 
 
-@dataclass(slots=True, eq=False)
 class SimRequest:
     """A request's journey: gateway decision, attempts, backend-side token times.
 
     ``ranked`` holds the backends the gateway may try (the decision's ranked list cut
-    to ``retries + 1``); ``attempt`` indexes it. Times are simulated seconds.
+    to ``retries + 1``); ``attempt`` indexes it. Times are simulated seconds. A plain
+    class, not a dataclass: the compiled build (mypyc) runs a dataclass's generated
+    ``__init__`` as interpreted code.
     """
 
-    spec: RequestSpec
-    info: RequestInfo
-    prompt: Prompt
-    arrival_s: float
-    ranked: tuple[int, ...] = ()
-    attempt: int = 0
-    attempt_start_s: float = 0.0
-    seq: Sequence | None = None
-    first_token_s: float | None = None  # backend side, current attempt
-    gateway_first_token_s: float | None = None  # current attempt, at the gateway
+    __slots__ = (
+        "arrival_s",
+        "attempt",
+        "attempt_start_s",
+        "first_token_s",
+        "gateway_first_token_s",
+        "info",
+        "prompt",
+        "ranked",
+        "seq",
+        "spec",
+    )
+
+    def __init__(
+        self,
+        spec: RequestSpec,
+        info: RequestInfo,
+        prompt: Prompt,
+        arrival_s: float,
+        *,
+        seq: Sequence | None = None,
+    ) -> None:
+        self.spec = spec
+        self.info = info
+        self.prompt = prompt
+        self.arrival_s = arrival_s
+        self.ranked: tuple[int, ...] = ()
+        self.attempt = 0
+        self.attempt_start_s = 0.0
+        self.seq = seq
+        self.first_token_s: float | None = None  # backend side, current attempt
+        self.gateway_first_token_s: float | None = None  # current attempt, at the gateway
 
     @property
     def backend_index(self) -> int:

@@ -27,8 +27,6 @@ structure.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from kiloserve.engine.sequence import Sequence
 
 __all__ = ["UNIQUE_INDEX_BITS", "SimSequence"]
@@ -36,17 +34,33 @@ __all__ = ["UNIQUE_INDEX_BITS", "SimSequence"]
 UNIQUE_INDEX_BITS = 24  # block indices below 2^24 (268 M tokens at 16 per block)
 
 
-@dataclass(slots=True, eq=False)
 class SimSequence(Sequence):
     """A ``Sequence`` with tuple-hash chains and index hashes for unique text."""
 
-    unique_key: int | None = None  # set: tokens from unique_from on are this prompt's own
-    unique_from: int = 0
+    __slots__ = ("unique_from", "unique_key")
 
-    def __post_init__(self) -> None:
-        if self.unique_key is not None:  # the engine keeps these blocks out of its index
-            self.private_from_block = self.unique_from // self.block_size
-        Sequence.__post_init__(self)
+    def __init__(
+        self,
+        seq_id: str,
+        prompt_token_ids: list[int],
+        max_tokens: int,
+        arrival_s: float = 0.0,
+        *,
+        block_size: int = 16,
+        unique_key: int | None = None,
+        unique_from: int = 0,
+    ) -> None:
+        self.unique_key = unique_key  # set: tokens from unique_from on are this prompt's own
+        self.unique_from = unique_from
+        private = None if unique_key is None else unique_from // block_size
+        super().__init__(
+            seq_id,
+            prompt_token_ids,
+            max_tokens,
+            arrival_s,
+            block_size=block_size,
+            private_from_block=private,  # the engine keeps these blocks out of its index
+        )
 
     def _hash_new_blocks(self) -> None:
         size = self.block_size
