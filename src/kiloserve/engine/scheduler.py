@@ -233,11 +233,17 @@ class Scheduler:
             return False
         if num_hit_blocks >= (head.num_tokens - 1) // self.config.block_size:
             return False
+        private = head.private_from_block
+        if private is not None and num_hit_blocks >= private:
+            return False  # the head's own text: nobody else computes it
         wanted = head.block_hashes[num_hit_blocks]
         for seq in self.running:
             hashes = seq.block_hashes
             if seq.num_hashed_blocks > num_hit_blocks or len(hashes) < num_hit_blocks:
                 continue
+            private = seq.private_from_block
+            if private is not None and private <= num_hit_blocks:
+                continue  # its block there holds text of its own: never the head's
             if len(hashes) > num_hit_blocks:  # block full of tokens, not yet computed
                 if hashes[num_hit_blocks] == wanted:
                     return True

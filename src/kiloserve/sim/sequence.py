@@ -11,7 +11,9 @@ meaning:
   is deterministic for ints (``PYTHONHASHSEED`` only salts str and bytes) and ~10x
   faster;
 * text known to be this request's own (``unique_key`` set: every prompt token from
-  ``unique_from`` on, and so every later block, belongs to this prompt alone):
+  ``unique_from`` on, and so every later block, belongs to this prompt alone; the
+  engine keeps such blocks out of its hash index, so only prompt blocks are hashed,
+  for the gateway's prefix hashes; output blocks are not):
   block ``b`` of such a prefix hashes to ``unique_key + b``, where the key is a
   64-bit hash of the request's text name with its low ``UNIQUE_INDEX_BITS`` bits
   clear. Two blocks get equal hashes only for the same key and index, i.e. the same
@@ -61,6 +63,20 @@ class SimSequence(Sequence):
             block_size=block_size,
             private_from_block=private,  # the engine keeps these blocks out of its index
         )
+
+    def append_output_token(self) -> None:
+        if self.unique_key is None:
+            Sequence.append_output_token(self)
+        else:  # output blocks are private: nobody reads their hashes (block_manager.py)
+            self.num_output_tokens += 1
+            self.num_tokens += 1
+
+    def append_output_tokens(self, num_tokens: int) -> None:
+        if self.unique_key is None:
+            Sequence.append_output_tokens(self, num_tokens)
+        else:
+            self.num_output_tokens += num_tokens
+            self.num_tokens += num_tokens
 
     def _hash_new_blocks(self) -> None:
         size = self.block_size
