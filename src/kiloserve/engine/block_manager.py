@@ -170,10 +170,13 @@ class BlockManager:
         """Give ``seq`` one more block (used by fused decode steps)."""
         seq.block_table.append(self._take_free())
 
-    def take_free_blocks(self, num_blocks: int) -> list[int]:
+    def take_free_blocks(self, num_blocks: int, is_private: bool = False) -> list[int]:
         """``num_blocks`` free blocks, as that many ``append_block`` calls would take
-        them (for fused decode steps that register nothing in between)."""
-        return self._take_free_blocks(num_blocks) if num_blocks > 1 else [self._take_free()]
+        them (for fused decode steps that register nothing in between); private ones
+        (all at private positions) get no reference count."""
+        if num_blocks == 1:
+            return [self._take_free()]
+        return self._take_free_blocks(num_blocks, 0 if is_private else None)
 
     def register_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Cache every full block among the first ``num_tokens`` (computed) tokens

@@ -199,25 +199,27 @@ class EngineCore:
         """Most fusable steps whose total modelled time is at most ``max_duration_s``.
 
         Lets a simulator stop a fast-forward before its next event. Steps only grow
-        (contexts grow), so ``max_duration_s`` over the first step's time bounds the
-        answer from above and over the last candidate step's time from below; a binary
-        search closes the (usually empty) gap.
+        (contexts grow), so the first ``m`` steps average at most the whole run's mean
+        step: ``max_duration_s`` over that mean is a lower bound, usually the answer
+        (one more evaluation confirms it); otherwise a binary search closes the gap.
         """
         max_steps = self.max_fast_forward_steps()
         if max_steps == 0:
             return 0
-        first_s = self.fast_forward_time_s(1)
-        if first_s > max_duration_s:
-            return 0
-        high = min(max_steps, int(max_duration_s / first_s) + 1)  # +1: float rounding
-        total_s = self.fast_forward_time_s(high)
+        total_s = self.fast_forward_time_s(max_steps)
         if total_s <= max_duration_s:
-            return high
-        last_s = total_s - self.fast_forward_time_s(high - 1)  # the longest step up to high
-        low = max(1, min(high - 1, int(max_duration_s / last_s) - 1))  # -1: rounding
-        high -= 1  # high itself is too long
+            return max_steps
+        estimate = max_duration_s * max_steps / total_s
+        low = int(estimate)
+        if estimate - low < 1e-9:  # at an integer: float rounding may have pushed it up
+            low -= 1
+        low = min(max_steps - 1, max(0, low))
+        high = max_steps - 1  # invariant: T(low) <= max_duration_s < T(high + 1)
         while low < high:
-            mid = (low + high + 1) // 2
+            if self.fast_forward_time_s(low + 1) > max_duration_s:
+                return low
+            low += 1
+            mid = (low + high + 1) // 2  # then halve what is left
             if self.fast_forward_time_s(mid) <= max_duration_s:
                 low = mid
             else:

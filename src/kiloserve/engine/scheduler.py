@@ -265,6 +265,7 @@ class Scheduler:
         finished: list[Sequence] = []
         allocations: list[tuple[int, int]] = []  # (step, index)
         registrations: list[tuple[int, int, int]] = []  # (step, index, computed tokens)
+        is_all_private = True  # every new block at a private position (no ref counts)
         for index, seq in enumerate(seqs):
             if seq.max_tokens - seq.num_output_tokens == num_steps:
                 finished.append(seq)
@@ -273,6 +274,9 @@ class Scheduler:
             first_step = len(seq.block_table) * size - computed + 1
             if first_step <= num_steps:
                 allocations += [(step, index) for step in range(first_step, num_steps + 1, size)]
+                private = seq.private_from_block
+                is_all_private = is_all_private and private is not None
+                is_all_private = is_all_private and len(seq.block_table) >= (private or 0)
             first_step = size - computed % size
             if is_caching and first_step <= num_steps:
                 private = seq.private_from_block
@@ -287,13 +291,15 @@ class Scheduler:
         if registrations:
             self._apply_block_events(seqs, allocations, registrations)
         elif allocations:
-            self._hand_out_blocks(seqs, allocations)
+            self._hand_out_blocks(seqs, allocations, is_all_private)
         self.finish(finished, None)
         return finished
 
-    def _hand_out_blocks(self, seqs: list[Sequence], allocations: list[tuple[int, int]]) -> None:
+    def _hand_out_blocks(
+        self, seqs: list[Sequence], allocations: list[tuple[int, int]], is_private: bool
+    ) -> None:
         """Blocks for decode steps that register nothing: taken at once, in step order."""
-        block_ids = self.block_manager.take_free_blocks(len(allocations))
+        block_ids = self.block_manager.take_free_blocks(len(allocations), is_private)
         if len(seqs) == 1:
             seqs[0].block_table += block_ids
             return
