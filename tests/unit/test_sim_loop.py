@@ -94,6 +94,16 @@ def test_same_seed_same_result_within_one_process(policy: str) -> None:
     assert first[0]["requests_ok"] == 150
 
 
+def test_kept_records_do_not_change_the_summary() -> None:
+    workload = load_workload(WORKLOAD, rate=40, num_requests=150, with_prompts=False)
+    summaries = [
+        simulate(_cluster(), workload, "round_robin", keep_records=keep).summary
+        for keep in (False, True)
+    ]
+    lean, kept = ({k: v for k, v in x.items() if k not in WALL_KEYS} for x in summaries)
+    assert json.dumps(lean, sort_keys=True) == json.dumps(kept, sort_keys=True)
+
+
 def test_a_run_restores_the_garbage_collector_settings() -> None:
     thresholds = gc.get_threshold()
     _run("round_robin")

@@ -156,19 +156,43 @@ class MetricsCollector:
     def num_failed(self) -> int:
         return sum(self.num_failed_by_backend) + self.num_failed_unrouted
 
+    @property
+    def needs_records(self) -> bool:
+        """Whether ``add_ok`` needs a ``RequestRecord`` (kept, or judged by an SLO);
+        otherwise ``add_ok_values`` takes the numbers alone."""
+        return self.keep_records or self.slo is not None
+
     def add_ok(self, record: RequestRecord, backend_index: int, now_s: float) -> None:
         """A completed request (``ttft_s``, ``e2e_s`` and ``output_tokens`` are set)."""
-        ttft_s, e2e_s = record.ttft_s or 0.0, record.e2e_s or 0.0
-        tpot_s = record.tpot_s
-        self.ttft_ms.append(ttft_s * 1000.0)
-        self.e2e_ms.append(e2e_s * 1000.0)
-        self.tpot_ms.append(math.nan if tpot_s is None else tpot_s * 1000.0)
-        self.input_tokens.append(record.input_tokens)
-        self.output_tokens.append(record.output_tokens)
-        self.backend_index.append(backend_index)
+        self.add_ok_values(
+            record.ttft_s, record.e2e_s or 0.0, record.input_tokens, record.output_tokens,
+            backend_index, now_s,
+        )  # fmt: skip
         if self.slo is not None and is_good(record, self.slo):
             self.num_good += 1
-        self._finish(record, now_s)
+        if self.keep_records:
+            self.records.append(record)
+
+    def add_ok_values(
+        self,
+        ttft_s: float | None,
+        e2e_s: float,
+        input_tokens: int,
+        output_tokens: int,
+        backend_index: int,
+        now_s: float,
+    ) -> None:
+        """A completed request, without a record (``RequestRecord.tpot_s``'s rule)."""
+        self.ttft_ms.append((ttft_s or 0.0) * 1000.0)
+        self.e2e_ms.append(e2e_s * 1000.0)
+        if output_tokens <= 1 or ttft_s is None:
+            self.tpot_ms.append(math.nan)
+        else:
+            self.tpot_ms.append((e2e_s - ttft_s) / (output_tokens - 1) * 1000.0)
+        self.input_tokens.append(input_tokens)
+        self.output_tokens.append(output_tokens)
+        self.backend_index.append(backend_index)
+        self.last_completion_s = max(self.last_completion_s, now_s)
 
     def add_failed(self, record: RequestRecord, backend_index: int | None, now_s: float) -> None:
         """A failed request (``backend_index`` None: no backend was tried)."""

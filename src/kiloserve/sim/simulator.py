@@ -214,13 +214,21 @@ class Simulator:
 
     def _record_ok(self, request: SimRequest, now_s: float) -> None:
         first_s = request.gateway_first_token_s
+        self._counts.num_done += 1
+        metrics = self.metrics
+        if not metrics.needs_records:  # the numbers alone (no RequestRecord per request)
+            ttft_s = None if first_s is None else first_s - request.arrival_s
+            metrics.add_ok_values(
+                ttft_s, now_s - request.arrival_s, len(request.prompt.token_ids),
+                request.spec.output_tokens, request.backend_index, now_s,
+            )  # fmt: skip
+            return
         record = self._record(request, now_s)
         record.ttft_s = None if first_s is None else first_s - request.arrival_s
         record.e2e_s = now_s - request.arrival_s
         record.output_tokens = request.spec.output_tokens
         record.is_ok, record.status = True, 200
-        self._counts.num_done += 1
-        self.metrics.add_ok(record, request.backend_index, now_s)
+        metrics.add_ok(record, request.backend_index, now_s)
 
     def _record_failure(self, request: SimRequest, status: int, error: str, now_s: float) -> None:
         record = self._record(request, now_s)
