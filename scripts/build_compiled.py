@@ -64,6 +64,10 @@ COMPILED_MODULES = (
     "kiloserve.policies.base",
     "kiloserve.policies.accounting",
     "kiloserve.gateway.backends",
+    "kiloserve.sim.cluster",
+    "kiloserve.sim.run",
+    "kiloserve.workload.traces",
+    "kiloserve.bench.stream",
 )
 # Run by a fresh interpreter in the work dir: argv = build_lib, build_temp, module paths.
 SETUP_CODE = """

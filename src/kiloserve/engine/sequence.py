@@ -8,9 +8,11 @@ the prefix cache can reuse them. Timestamps are the caller's business.
 
 from __future__ import annotations
 
+import copy
 import struct
 import zlib
 from enum import Enum
+from typing import Any, Final
 
 from kiloserve.tokens import FILLER_WORDS, tokenize
 
@@ -55,6 +57,29 @@ def chain_block_hash(prev_hash: int, block_token_ids: list[int]) -> int:
     return zlib.crc32(data) | (zlib.adler32(data) << 32)
 
 
+_SEQUENCE_ATTRS: Final = (
+    "arrival_s",
+    "block_hashes",
+    "block_size",
+    "block_table",
+    "finish_reason",
+    "free_segment_key",
+    "max_tokens",
+    "num_cached_tokens",
+    "num_computed_tokens",
+    "num_hashed_blocks",
+    "num_output_tokens",
+    "num_preemptions",
+    "num_tokens",
+    "planned_output_token_ids",
+    "private_from_block",
+    "prompt_token_ids",
+    "seq_id",
+    "status",
+    "stop_reason",
+)  # every attribute of a Sequence (its slots; copied by __deepcopy__)
+
+
 class Sequence:
     """A request's state in the engine; mutated only by the scheduler and block manager.
 
@@ -73,27 +98,7 @@ class Sequence:
     (mypyc) runs a dataclass's generated ``__init__`` as interpreted code.
     """
 
-    __slots__ = (
-        "arrival_s",
-        "block_hashes",
-        "block_size",
-        "block_table",
-        "finish_reason",
-        "free_segment_key",
-        "max_tokens",
-        "num_cached_tokens",
-        "num_computed_tokens",
-        "num_hashed_blocks",
-        "num_output_tokens",
-        "num_preemptions",
-        "num_tokens",
-        "planned_output_token_ids",
-        "private_from_block",
-        "prompt_token_ids",
-        "seq_id",
-        "status",
-        "stop_reason",
-    )
+    __slots__ = _SEQUENCE_ATTRS
 
     def __init__(
         self,
@@ -127,6 +132,15 @@ class Sequence:
         self.num_tokens = len(prompt_token_ids)  # prompt + output, kept for speed
         self.block_hashes: list[int] = []
         self._hash_new_blocks()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Sequence:
+        """A deep copy with the same state (tests feed engines with copies). Written
+        out because the compiled build cannot rebuild a native object without its
+        constructor's arguments, as ``copy`` would; subclasses copy as ``Sequence``."""
+        clone = Sequence(self.seq_id, [], self.max_tokens, block_size=self.block_size)
+        for name in _SEQUENCE_ATTRS:
+            setattr(clone, name, copy.deepcopy(getattr(self, name), memo))
+        return clone
 
     def __repr__(self) -> str:
         return (
