@@ -23,13 +23,19 @@ import numpy as np
 from kiloserve.bench.metrics import PERCENTILES, SCHEMA_VERSION, Slo, is_good, latency_stats
 from kiloserve.bench.records import RequestRecord
 
-__all__ = ["ItlHistogram", "MetricsCollector", "TimeSeries"]
+__all__ = ["ItlHistogram", "MetricsCollector", "TimeSeries", "itl_bin"]
 
 LatencyStats = dict[str, float | None]
 
 _ITL_MIN_S = 1e-6
 _ITL_BINS_PER_DECADE = 460  # bin width ~0.5%
 _ITL_NUM_BINS = _ITL_BINS_PER_DECADE * 10  # 1 us .. 10,000 s
+
+
+def itl_bin(gap_s: float) -> int:
+    """The histogram bin of a gap of ``gap_s`` seconds (> 0)."""
+    index = int(math.log10(max(gap_s, _ITL_MIN_S) / _ITL_MIN_S) * _ITL_BINS_PER_DECADE)
+    return min(index, _ITL_NUM_BINS - 1)
 
 
 class ItlHistogram:
@@ -42,12 +48,12 @@ class ItlHistogram:
         self.total_sq_ms = 0.0
 
     def add(self, gap_s: float, weight: int) -> None:
-        if weight <= 0 or gap_s <= 0:
-            return
-        index = int(math.log10(max(gap_s, _ITL_MIN_S) / _ITL_MIN_S) * _ITL_BINS_PER_DECADE)
-        index = min(index, _ITL_NUM_BINS - 1)
+        if weight > 0 and gap_s > 0:
+            self.add_at(itl_bin(gap_s), gap_s * 1000.0, weight)
+
+    def add_at(self, index: int, gap_ms: float, weight: int) -> None:
+        """``add`` with the bin (``itl_bin``) already known; weight and gap > 0."""
         self.counts[index] = self.counts.get(index, 0.0) + weight
-        gap_ms = gap_s * 1000.0
         self.total_weight += weight
         self.total_ms += gap_ms * weight
         self.total_sq_ms += gap_ms * gap_ms * weight
@@ -213,8 +219,11 @@ class MetricsCollector:
             self.routing.append((request_id, backend_id))
 
     def add_itl(self, backend_index: int, gap_s: float, weight: int) -> None:
-        self.itl.add(gap_s, weight)
-        self.itl_by_backend[backend_index].add(gap_s, weight)
+        if weight <= 0 or gap_s <= 0:
+            return
+        index, gap_ms = itl_bin(gap_s), gap_s * 1000.0  # one bin lookup for both
+        self.itl.add_at(index, gap_ms, weight)
+        self.itl_by_backend[backend_index].add_at(index, gap_ms, weight)
 
     # -- summary -------------------------------------------------------------------
     def summary(self, duration_s: float) -> dict[str, object]:

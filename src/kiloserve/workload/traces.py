@@ -137,13 +137,13 @@ def trace_requests(
     """Requests for the selected ``indices`` of ``rows`` with the given arrival times."""
     for index, arrival_s in zip(indices, arrivals, strict=True):
         row = rows[index]
-        segments = _segments(row, seed, index)
+        prompt = builder.render(_segments(row, seed, index)) if with_prompts else ""
         yield RequestSpec(
             request_id=f"{name}-{index:06d}",
             arrival_s=arrival_s,
-            input_tokens=sum(n for _, n in segments),
+            input_tokens=max(1, row.input_tokens),  # what the segments add up to
             output_tokens=max(1, row.output_tokens),
-            prompt=builder.render(segments) if with_prompts else "",
+            prompt=prompt,
             prefix_group=f"block-{row.hash_ids[0]}" if row.hash_ids else None,
         )
 
