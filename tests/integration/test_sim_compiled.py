@@ -36,7 +36,7 @@ from kiloserve.launch.config import load_cluster_config
 from kiloserve.sim import simulate
 from kiloserve.workload import load_workload
 
-wall_keys = ("sim_wall_s", "real_time_factor", "requests_per_wall_s", "versions")
+wall_keys = ("sim_wall_s", "sim_cpu_s", "real_time_factor", "requests_per_wall_s", "versions")
 cluster = scaled_cluster(load_cluster_config({cluster!r}), 64)
 summaries = []
 for policy, spec in {runs!r}:

@@ -38,7 +38,7 @@ SAMPLE_INTERVAL_S = 1.0  # first time-series interval; doubles as the run grows
 class SimResult:
     """A simulation's outcome.
 
-    ``summary`` is a bench ``summary.json`` dict plus ``sim_wall_s``,
+    ``summary`` is a bench ``summary.json`` dict plus ``sim_wall_s``, ``sim_cpu_s``,
     ``simulated_requests``, ``simulated_duration_s``, ``arrival_span_s`` (the last
     arrival), ``real_time_factor``, ``requests_per_wall_s``, ``sim_stats`` and
     ``backend_timeseries`` (downsampled utilisation and KV usage per backend).
@@ -189,6 +189,7 @@ def _sim_keys(sim: Simulator, wall_s: float) -> dict[str, Any]:
     backends = sim.backends
     return {
         "sim_wall_s": wall_s,
+        "sim_cpu_s": sim.cpu_s,
         "simulated_requests": sim.num_requests,
         "simulated_duration_s": sim.now_s,
         "arrival_span_s": sim.last_arrival_s,

@@ -87,6 +87,7 @@ class Simulator:
         self.series = series
         self.progress = progress
         self.now_s = 0.0
+        self.cpu_s = 0.0  # the process's CPU seconds spent in the last run()
         self._specs = specs
         self._heap: list[tuple[float, int, Event]] = []
         self._num_pushed = 0
@@ -125,7 +126,7 @@ class Simulator:
             gc.unfreeze()
 
     def _run(self) -> float:
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         self.push(Scrape(0.0))
         for fault in self._faults:
             self.push(Fault(fault))
@@ -141,6 +142,7 @@ class Simulator:
                 self.progress(counts.num_done)
         if self.progress is not None:
             self.progress(counts.num_done)
+        self.cpu_s = time.process_time() - cpu_started
         return time.perf_counter() - started
 
     @property
