@@ -176,7 +176,7 @@ def main() -> int:
                   f"({load} load, {build} build): median {r['per_wall_s']:.0f} "
                   f"(best {r['best_per_wall_s']:.0f}) -> {met}")  # fmt: skip
             day_min = SEED_REQUESTS_PER_DAY_1024 / r["per_wall_s"] / 60
-            print(f"  one simulated day of 6.2 M requests at this speed: {day_min:.0f} min "
+            print(f"  one simulated day of 6.2 M requests at this speed: {day_min:.1f} min "
                   f"(target < 10 min)")  # fmt: skip
     if args.json_out is not None:
         rows = [{"load": load, "size": size, "build": build, **r}
