@@ -108,7 +108,7 @@ class BlockManager:
             if block_id is None:
                 return hits
             hits.append(block_id)
-        if num_shared < max_num_hit_blocks and seq.free_segment_key:
+        if len(hits) == num_shared < max_num_hit_blocks and seq.free_segment_key:
             segment = self._segments.get(seq.free_segment_key)
             if segment:  # table order is the reverse of eviction order
                 hits += segment[::-1][: max_num_hit_blocks - num_shared]
