@@ -113,3 +113,22 @@ def test_sessions_extend_previous_turn() -> None:
 def test_bad_workloads_raise_config_error(spec: str, kwargs: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
         load_workload(spec, seed=0, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "synthetic:input=lognormal(1150,0.8),output=lognormal(250,0.8)",
+        "synthetic:input=uniform(64,600),output=uniform(8,80),prefix_groups=4,prefix_tokens=256",
+        "azure-conv",
+        "mooncake",
+    ],
+)
+def test_lengths_are_the_same_with_and_without_prompt_text(spec: str) -> None:
+    # without prompts the lengths are computed, not summed from the text's segments
+    lean = load_workload(spec, rate=10, num_requests=200, with_prompts=False).take(200)
+    full = load_workload(spec, rate=10, num_requests=200, with_prompts=True).take(200)
+    assert [(s.request_id, s.input_tokens, s.output_tokens) for s in lean] == [
+        (s.request_id, s.input_tokens, s.output_tokens) for s in full
+    ]
+    assert all(s.prompt == "" for s in lean) and all(s.prompt for s in full)

@@ -147,13 +147,16 @@ def synthetic_requests(
         body_tokens = sample_tokens(profile.input, rng)
         output_tokens = sample_tokens(profile.output, rng)
         group = int(rng.integers(groups.num_groups)) if groups.is_enabled else None
-        segments = _segments(seed, i, body_tokens, group, groups)
+        prompt = ""
+        if with_prompts:
+            prompt = builder.render(_segments(seed, i, body_tokens, group, groups))
         yield RequestSpec(
             request_id=f"{name}-{i:06d}",
             arrival_s=arrival_s,
-            input_tokens=sum(n for _, n in segments),
+            # what the segments add up to: the group's head, then the body
+            input_tokens=body_tokens + (0 if group is None else groups.prefix_tokens),
             output_tokens=output_tokens,
-            prompt=builder.render(segments) if with_prompts else "",
+            prompt=prompt,
             prefix_group=None if group is None else f"group-{group}",
         )
 
