@@ -68,6 +68,8 @@ COMPILED_MODULES = (
     "kiloserve.sim.run",
     "kiloserve.workload.traces",
     "kiloserve.bench.stream",
+    "kiloserve.workload.synthetic",
+    "kiloserve.workload.arrivals",
 )
 # Run by a fresh interpreter in the work dir: argv = build_lib, build_temp, module paths.
 SETUP_CODE = """
