@@ -133,14 +133,6 @@ class SimBackend:
             self.busy_s += result.duration_s * self.slowdown
         return result
 
-    def sync_for_scrape(self, now_s: float) -> float | None:
-        """``sync`` only if the run's last step has started (the only step of a run that
-        changes running / waiting counts); otherwise the scrape reads the state at the
-        run's start (KV usage lags by the blocks the run has grown since)."""
-        if now_s >= self.last_step_start_s:
-            return self.sync(now_s)
-        return None
-
     def sync(self, now_s: float) -> float | None:
         """Commit the fused steps started by ``now_s``; returns the new end if it moved."""
         num_planned = self._num_run_steps

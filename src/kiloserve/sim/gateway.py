@@ -154,12 +154,7 @@ class SimGateway:
             return
         changed.clear()
         for backend, record in zip(backends, self._records, strict=True):
-            is_same = backend.scraped_version == backend.state_version
-            is_fresh = record.last_scrape_ok_s is not None and not record.state.scrape_stale
-            if is_same and is_fresh and backend.core is not None:
-                record.last_scrape_ok_s = now_s  # unchanged: the fast path, inlined
-                continue
-            self._scrape_one(record, backend, now_s)
+            self._scrape_one(record, backend, now_s)  # unchanged ones: only the time moves
         table.refresh_staleness(now_s)
 
     def _scrape_one(self, record: BackendRecord, backend: SimBackend, now_s: float) -> None:

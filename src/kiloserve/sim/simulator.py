@@ -318,7 +318,10 @@ class Simulator:
     def on_scrape(self, now_s: float) -> list[Event]:
         events: list[Event] = []
         due, backends = self._due_runs, self.backends
-        indices: list[int] = []  # runs whose last step has started (sync_for_scrape's rule)
+        # A scrape syncs a fused run only once its last step has started (the only step
+        # of a run that changes running / waiting counts); before that it reads the
+        # state at the run's start (KV usage lags by the blocks the run has grown since).
+        indices: list[int] = []
         while due and due[0][0] <= now_s:
             _, index, serial = heapq.heappop(due)
             backend = backends[index]
