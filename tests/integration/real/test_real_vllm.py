@@ -251,11 +251,17 @@ def test_disconnect_aborts_on_engine(vllm_cluster: LocalCluster, gateway: openai
         aborted = metric_sum(page, "vllm:request_success_total", finished_reason="abort")
         return done, aborted, metric_sum(page, "vllm:generation_tokens_total")
 
-    # Earlier tests' last finishes may still be on their way to /metrics: settle first.
+    # Earlier tests' last finishes may still be on their way to /metrics (a CPU-starved
+    # engine publishes them late): settle until the counters hold still for a second.
     for url in urls.values():
         wait_for(lambda url=url: _num_running(url) == 0, 30, "idle engines")
-    time.sleep(0.5)
     before = {name: counters(url) for name, url in urls.items()}
+    for _ in range(15):
+        time.sleep(1.0)
+        now = {name: counters(url) for name, url in urls.items()}
+        if now == before:
+            break
+        before = now
     stream = gateway.completions.with_streaming_response.create(
         model=SERVED_MODEL, prompt=PROMPT, max_tokens=max_tokens, stream=True, extra_body=NO_EOS
     )
