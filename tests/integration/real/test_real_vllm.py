@@ -7,9 +7,12 @@ completion exactly ``max_tokens`` long.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
-import threading
+import socket
 import time
+import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
@@ -158,17 +161,39 @@ def _num_running(url: str) -> float:
     return metric_sum(http_text(url + "/metrics"), "vllm:num_requests_running")
 
 
-def _hold(url: str, num_requests: int, max_tokens: int) -> list[threading.Thread]:
-    """Long requests straight to one engine (not through the gateway), in threads."""
-    body = {"model": SERVED_MODEL, "prompt": PROMPT, "max_tokens": max_tokens, **NO_EOS}
+def _num_waiting(url: str) -> float:
+    return metric_sum(http_text(url + "/metrics"), "vllm:num_requests_waiting")
 
-    def one() -> None:
-        http_json(url + "/v1/completions", body, timeout_s=240)
 
-    threads = [threading.Thread(target=one, daemon=True) for _ in range(num_requests)]
-    for t in threads:
-        t.start()
-    return threads
+@contextlib.contextmanager
+def _held(url: str, num_requests: int, max_tokens: int) -> Iterator[None]:
+    """Long requests straight to one engine (not through the gateway), each on its own
+    socket; leaving the block closes the sockets, and vLLM aborts what they asked for
+    (running or still queued), so the engine is idle again in seconds, not minutes."""
+    parts = urllib.parse.urlsplit(url)
+    assert parts.hostname is not None and parts.port is not None
+    body = json.dumps(
+        {"model": SERVED_MODEL, "prompt": PROMPT, "max_tokens": max_tokens, **NO_EOS}
+    ).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(num_requests):
+            sock = socket.create_connection((parts.hostname, parts.port), timeout=10)
+            socks.append(sock)
+            sock.sendall(head + body)
+        yield
+    finally:
+        for sock in socks:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+        # Aborted requests leave at the engine's next step; a build that ignored the
+        # disconnects would instead finish them (still within this wait).
+        wait_for(lambda: _num_running(url) == 0 and _num_waiting(url) == 0, 240, "vllm-a to idle")
 
 
 def _steer_attempt(
@@ -179,15 +204,15 @@ def _steer_attempt(
     gw = vllm_cluster.gateway_url
     assert gw is not None
     url_a = _engine(vllm_cluster, "vllm-a")
-    threads = _hold(url_a, 6 * MAX_NUM_SEQS, max_tokens=460)
     served: list[str] = []
-    try:
+    took_s: list[float] = []
+    # A deep queue (2 run, 78 wait, 460 tokens each): vllm-a (pinned to its own core)
+    # decodes 450-800 tokens/s even with every core busy, so this lasts 45-80 s, while
+    # one gateway request to a CPU-starved vllm-b took 14 s; leaving the block aborts
+    # what is left of it.
+    with _held(url_a, 40 * MAX_NUM_SEQS, max_tokens=460):
         try:
-            wait_for(
-                lambda: metric_sum(http_text(url_a + "/metrics"), "vllm:num_requests_waiting") >= 2,
-                60,
-                "vllm-a to queue requests",
-            )
+            wait_for(lambda: _num_waiting(url_a) >= 2, 60, "vllm-a to queue requests")
         except AssertionError:
             load_1m, num_cpus = os.getloadavg()[0], os.cpu_count() or 1
             if load_1m <= num_cpus:
@@ -195,28 +220,28 @@ def _steer_attempt(
             # The precondition (a queue on the engine) is vLLM's, not ours: on a machine
             # whose cores other jobs own, it may never build in time.
             pytest.skip(f"vllm-a built no queue in 60 s at load average {load_1m:.1f}")
-        wait_for(lambda: (admin_backends(gw)["vllm-a"]["num_waiting"] or 0) >= 2, 5, "a scrape")
+        wait_for(lambda: (admin_backends(gw)["vllm-a"]["num_waiting"] or 0) >= 2, 15, "a scrape")
         assert admin_backends(gw)["vllm-a"]["num_running"] == MAX_NUM_SEQS
-        for i in range(6):
+        for i in range(4):
             if (admin_backends(gw)["vllm-a"]["num_waiting"] or 0) < 1:
                 break  # vllm-a drained: no longer a fair question
             # Fresh prompts: no prefix affinity to either engine, only load decides.
+            started = time.monotonic()
             raw = gateway.completions.with_raw_response.create(
                 model=SERVED_MODEL, prompt=f"steer {i} away", max_tokens=2, extra_body=NO_EOS
             )
             served.append(raw.headers["x-kiloserve-backend"])
+            took_s.append(round(time.monotonic() - started, 2))
         keys = ("num_running", "num_waiting", "scrape_age_s", "last_scrape_error", "healthy")
-        rows = {n: {k: r[k] for k in keys} for n, r in admin_backends(gw).items()}
+        rows: dict[str, Any] = {n: {k: r[k] for k in keys} for n, r in admin_backends(gw).items()}
+        rows["took_s"] = took_s
         return served, rows
-    finally:
-        for t in threads:
-            t.join(timeout=240)
 
 
 def test_scraped_queueing_steers_load(vllm_cluster: LocalCluster, gateway: openai.OpenAI) -> None:
     """vllm-a's visible queue (max-num-seqs 2) sends gateway traffic to vllm-b.
 
-    Twelve long requests go straight to vllm-a (2 run, 10 wait); while the gateway's
+    Eighty long requests go straight to vllm-a (2 run, 78 wait); while the gateway's
     scraped view still shows vllm-a queueing, every gateway request must go to vllm-b.
     Two CPU-build vLLMs share two cores here: a starved engine's /metrics can time out
     (then it is unknown, never idle, and the policy rightly avoids it), so the scenario
