@@ -72,3 +72,18 @@ def test_mooncake_rows_share_their_hash_id_blocks() -> None:
         if spec.prefix_group is not None:
             by_group.setdefault(spec.prefix_group, ids)
     assert shared > 0
+
+
+@pytest.mark.skipif(not TRACES.is_dir(), reason="shipped traces not present")
+def test_repeated_mooncake_passes_share_blocks_within_a_pass_only() -> None:
+    n = 12_031
+    workload = load_workload("mooncake:repeat=2", num_requests=n + 2, with_prompts=False,
+                             traces_dir=TRACES)  # fmt: skip
+    prompts = PromptIds(workload, TRACES)
+    specs = list(workload)
+    (a0, a1), (b0, b1) = specs[:2], specs[n:]
+    ids = {s.request_id: prompts.token_ids(s) for s in (a0, a1, b0, b1)}
+    assert b0.request_id == "mooncake-r1-000000"
+    assert _common_prefix(ids[a0.request_id], ids[a1.request_id]) >= 512
+    assert _common_prefix(ids[b0.request_id], ids[b1.request_id]) >= 512
+    assert _common_prefix(ids[a0.request_id], ids[b0.request_id]) == 0

@@ -77,3 +77,68 @@ def test_trace_replay_window_scale_and_limits() -> None:
     first = load_workload("azure-code", seed=0, num_requests=3, traces_dir=TRACES)
     assert [s.request_id for s in first] == ["azure-code-000000", "azure-code-000001",
                                             "azure-code-000002"]  # fmt: skip
+
+
+def test_repeat_replays_passes_back_to_back() -> None:
+    one = load_workload("azure-code", seed=0, rate=50.0, traces_dir=TRACES, with_prompts=False)
+    three = load_workload("azure-code:repeat=3", seed=0, rate=50.0, traces_dir=TRACES,
+                          with_prompts=False)  # fmt: skip
+    n = 8_819
+    assert three.num_requests == 3 * n and three.params["repeat"] == 3
+    specs = list(three)
+    assert len(specs) == 3 * n
+    base = list(one)
+    assert specs[:n] == base  # pass 0 is the plain replay
+    period = n / 50.0  # span (n-1)/50 plus one mean gap 1/50
+    for k in (1, 2):
+        for a, b in zip(base[:50], specs[k * n : k * n + 50], strict=True):
+            assert b.arrival_s == pytest.approx((a.arrival_s or 0.0) + k * period)
+            assert b.request_id == a.request_id.replace("azure-code-", f"azure-code-r{k}-")
+            assert (b.input_tokens, b.output_tokens) == (a.input_tokens, a.output_tokens)
+    times = [s.arrival_s or 0.0 for s in specs]
+    assert times == sorted(times)
+    assert len({s.request_id for s in specs}) == 3 * n
+    gaps = np.diff(times)
+    assert np.mean(gaps) == pytest.approx(1 / 50.0, rel=1e-6)  # the rate holds over seams
+
+
+def test_repeat_inf_runs_until_duration_or_count() -> None:
+    day = load_workload("azure-conv:repeat=inf", seed=0, rate=200.0, duration_s=400.0,
+                        traces_dir=TRACES, with_prompts=False)  # fmt: skip
+    times = [s.arrival_s or 0.0 for s in day]
+    assert day.num_requests == len(times) and max(times) < 400.0
+    assert len(times) == pytest.approx(400.0 * 200.0, rel=0.01)  # ~4 passes of 19,366
+    counted = load_workload("azure-conv:repeat=inf", seed=0, num_requests=50_000,
+                            traces_dir=TRACES, with_prompts=False)  # fmt: skip
+    assert counted.num_requests == 50_000 == sum(1 for _ in counted)
+    with pytest.raises(ConfigError, match="repeat=inf needs"):
+        load_workload("azure-conv:repeat=inf", traces_dir=TRACES)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("azure-conv:repeat=0", "repeat"),
+        ("azure-conv:repeat=x", "repeat"),
+        ("azure-conv:loop=1", "unknown option 'loop'"),
+        ("azure-conv:", "takes options"),
+    ],
+)
+def test_repeat_bad_options(spec: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_workload(spec, traces_dir=TRACES, num_requests=10)
+
+
+def test_repeated_passes_get_their_own_text() -> None:
+    n = 12_031
+    moon = load_workload("mooncake:repeat=2", seed=0, traces_dir=TRACES)
+    specs = moon.take(n + 2)
+    first, again = specs[:2], specs[n:]
+    assert again[0].request_id == "mooncake-r1-000000"
+    assert again[0].prefix_group == "r1-block-0" and first[0].prefix_group == "block-0"
+    for a, b in zip(first, again, strict=True):
+        assert count_tokens(b.prompt) == b.input_tokens == a.input_tokens
+        assert block_hashes(tokenize(a.prompt))[0] != block_hashes(tokenize(b.prompt))[0]
+    # within pass 1, rows 0 and 1 still share their first 512-token block
+    h0, h1 = (block_hashes(tokenize(s.prompt)) for s in again)
+    assert h0[:32] == h1[:32] and h0[32] != h1[32]

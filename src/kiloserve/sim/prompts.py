@@ -166,12 +166,14 @@ class PromptIds:
     def _mooncake_ids(self, spec: RequestSpec, num_tokens: int) -> list[int]:
         index = _trailing_int(spec.request_id)
         hash_ids = self._hash_ids.get(index, ()) if index is not None else ()
+        # A repeated trace's pass k > 0 (request id NAME-rK-INDEX) has blocks of its own.
+        k = _pass_of(spec.request_id)
         ids: list[int] = []
         for h in hash_ids:
             left = num_tokens - len(ids)
             if left <= 0:
                 break
-            ids += self.run_ids(f"m/{h}", min(BLOCK_TOKENS, left))
+            ids += self.run_ids(f"m/{h}" if k == 0 else f"m/{h}/r{k}", min(BLOCK_TOKENS, left))
         return ids
 
     def _session_ids(self, spec: RequestSpec, num_tokens: int) -> list[int]:
@@ -190,6 +192,14 @@ class PromptIds:
         if turn + 1 < self._num_turns:
             self._sessions[session] = (ids, spec.output_tokens)
         return ids
+
+
+def _pass_of(request_id: str) -> int:
+    """The pass of a repeated trace's request (``mooncake-r3-000017`` -> 3), else 0."""
+    parts = request_id.rsplit("-", 2)
+    if len(parts) == 3 and parts[1][:1] == "r" and parts[1][1:].isdigit():
+        return int(parts[1][1:])
+    return 0
 
 
 def _trailing_int(text: str) -> int | None:

@@ -16,7 +16,7 @@ from kiloserve.workload.arrivals import request_rate_arrivals, trace_arrivals
 from kiloserve.workload.prompts import PromptBuilder
 from kiloserve.workload.request import RequestSpec, Workload
 from kiloserve.workload.sessions import parse_sessions, session_requests
-from kiloserve.workload.spec import WorkloadSpec, parse_workload_spec
+from kiloserve.workload.spec import WorkloadSpec, check_keys, int_option, parse_workload_spec
 from kiloserve.workload.synthetic import (
     LengthProfile,
     parse_mix,
@@ -127,26 +127,75 @@ def _trace_workload(
     with_prompts: bool,
     params: dict[str, object],
 ) -> Workload:
+    check_keys(parsed.kind, parsed.options, ("repeat",))
+    repeat = _repeat_option(parsed.options)
     rows = read_trace(parsed.kind, traces_dir)
     times = [r.arrival_s for r in rows]
     indices, arrivals = trace_arrivals(times, window=window, time_scale=time_scale, rate=rate)
-    keep = len(indices)
-    if duration_s is not None:
-        keep = sum(1 for t in arrivals if t < duration_s)
-    if num_requests is not None:
-        keep = min(keep, num_requests)
-    indices, kept = indices[:keep], list[float | None](arrivals[:keep])
+    period_s = 0.0
+    if repeat > 1:
+        period_s = _pass_period_s(arrivals, rate)
+        if math.isinf(repeat) and duration_s is None and num_requests is None:
+            raise ConfigError("repeat=inf needs num_requests or duration to end the replay")
+    keep = _looped_count(arrivals, repeat, period_s, duration_s, num_requests)
     if keep == 0:
         raise ConfigError("the trace selection is empty (check window and duration)")
+    if repeat == 1:  # one pass: keep only the rows it uses
+        indices, arrivals = indices[:keep], arrivals[:keep]
+    kept = list[float | None](arrivals)
+    params["repeat"] = None if math.isinf(repeat) else int(repeat)
 
     def make_iter() -> Iterator[RequestSpec]:
         builder = PromptBuilder()
-        return trace_requests(
+        specs = trace_requests(
             parsed.kind, rows, indices, kept, seed=seed, builder=builder,
-            with_prompts=with_prompts,
+            with_prompts=with_prompts, repeat=repeat, period_s=period_s,
         )  # fmt: skip
+        return itertools.islice(specs, keep)
 
     return Workload(parsed.text, seed, make_iter, keep, params)
+
+
+def _repeat_option(options: dict[str, str]) -> float:
+    text = options.get("repeat", "1")
+    if text == "inf":
+        return math.inf
+    value = int_option(options, "repeat", 1)
+    if value < 1:
+        raise ConfigError(f"option 'repeat' must be >= 1 or inf, got {text!r}")
+    return float(value)
+
+
+def _pass_period_s(arrivals: list[float], rate: float | None) -> float:
+    """One pass's length: its span plus one mean gap (the rate holds across passes)."""
+    n, span_s = len(arrivals), arrivals[-1] - arrivals[0]
+    if n > 1 and span_s > 0:
+        return span_s * n / (n - 1)
+    if rate is not None and not math.isinf(rate):
+        return n / rate
+    raise ConfigError("repeat needs a trace selection that spans time (or a finite rate)")
+
+
+def _looped_count(
+    arrivals: list[float], repeat: float, period_s: float, duration_s: float | None,
+    num_requests: int | None,
+) -> int:  # fmt: skip
+    """How many requests ``repeat`` passes give before ``duration_s``/``num_requests``;
+    arrivals are sorted, so a pass that crosses ``duration_s`` is the last one."""
+    total, k = 0, 0
+    while k < repeat:
+        if num_requests is not None and total >= num_requests:
+            return num_requests
+        base_s = k * period_s
+        if duration_s is not None and arrivals[-1] + base_s >= duration_s:
+            return _cap(total + sum(1 for t in arrivals if t + base_s < duration_s), num_requests)
+        total += len(arrivals)
+        k += 1
+    return _cap(total, num_requests)
+
+
+def _cap(count: int, num_requests: int | None) -> int:
+    return count if num_requests is None else min(count, num_requests)
 
 
 def _limit(

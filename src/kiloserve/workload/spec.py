@@ -2,7 +2,8 @@
 
 Grammar (whitespace ignored)::
 
-    azure-conv | azure-code | mooncake                     shipped traces
+    azure-conv | azure-code | mooncake [:repeat=N|inf]     shipped traces (repeat:
+                                                           replay back to back)
     synthetic:input=DIST,output=DIST[,prefix_groups=N,prefix_tokens=T]
     mix:PRESET=WEIGHT,PRESET=WEIGHT[,...]                  e.g. mix:chat=0.8,longdoc=0.2
     sessions:users=U,turns=K[,input=DIST,output=DIST]      multi-turn chats
@@ -66,6 +67,10 @@ def parse_workload_spec(text: str) -> WorkloadSpec:
     if clean in TRACE_NAMES:
         return WorkloadSpec(kind=clean, text=clean)
     kind, sep, rest = clean.partition(":")
+    if kind in TRACE_NAMES:
+        if not rest:
+            raise ConfigError(f"workload {kind!r} takes options after ':', e.g. {kind}:repeat=inf")
+        return WorkloadSpec(kind=kind, text=clean, options=_parse_options(rest, text))
     if kind not in KINDS:
         valid = ", ".join((*TRACE_NAMES, *(f"{k}:..." for k in KINDS)))
         raise ConfigError(f"unknown workload {text!r}; valid: {valid}")

@@ -7,6 +7,12 @@
   renders to the same 512 words, so equal ``hash_ids`` prefixes give byte-identical
   prompt prefixes and the engine's prefix cache really hits.
 
+``repeat`` replays the selection back to back: pass ``k`` (from 0) shifts every arrival
+by ``k`` periods (the selection's span plus one mean gap, so the rate holds across the
+seam), names its requests ``NAME-rK-INDEX`` and gives them their own text (unique text
+and Mooncake blocks are new per pass: a pass is more traffic of the same shape, not a
+cache-warm rerun). Pass 0 is the plain replay, request for request.
+
 The trace folder is ``traces_dir`` if given, else ``$KILOSERVE_TRACES``, else
 ``../shared/data/traces`` next to the repository root.
 """
@@ -36,6 +42,7 @@ __all__ = [
     "TRACE_FILES",
     "TraceRow",
     "find_traces_dir",
+    "pass_request_id",
     "read_azure_csv",
     "read_mooncake_jsonl",
     "read_trace",
@@ -133,33 +140,53 @@ def trace_requests(
     seed: int,
     builder: PromptBuilder,
     with_prompts: bool = True,
+    repeat: float = 1,
+    period_s: float = 0.0,
 ) -> Iterator[RequestSpec]:
-    """Requests for the selected ``indices`` of ``rows`` with the given arrival times."""
-    for index, arrival_s in zip(indices, arrivals, strict=True):
-        row = rows[index]
-        prompt = builder.render(_segments(row, seed, index)) if with_prompts else ""
-        yield RequestSpec(
-            request_id=f"{name}-{index:06d}",
-            arrival_s=arrival_s,
-            input_tokens=max(1, row.input_tokens),  # what the segments add up to
-            output_tokens=max(1, row.output_tokens),
-            prompt=prompt,
-            prefix_group=f"block-{row.hash_ids[0]}" if row.hash_ids else None,
-        )
+    """Requests for the selected ``indices`` of ``rows`` with the given arrival times,
+    ``repeat`` times (``math.inf``: endless), pass ``k`` shifted by ``k * period_s``."""
+    k = 0
+    while k < repeat:
+        base_s = k * period_s
+        for index, arrival_s in zip(indices, arrivals, strict=True):
+            row = rows[index]
+            prompt = builder.render(_segments(row, seed, index, k)) if with_prompts else ""
+            yield RequestSpec(
+                request_id=pass_request_id(name, index, k),
+                arrival_s=None if arrival_s is None else arrival_s + base_s,
+                input_tokens=max(1, row.input_tokens),  # what the segments add up to
+                output_tokens=max(1, row.output_tokens),
+                prompt=prompt,
+                prefix_group=_prefix_group(row, k),
+            )
+        k += 1
 
 
-def _segments(row: TraceRow, seed: int, index: int) -> list[Segment]:
-    input_tokens = max(1, row.input_tokens)
+def pass_request_id(name: str, index: int, k: int) -> str:
+    """``NAME-INDEX`` on the first pass, ``NAME-rK-INDEX`` on pass ``k`` > 0."""
+    return f"{name}-{index:06d}" if k == 0 else f"{name}-r{k}-{index:06d}"
+
+
+def _prefix_group(row: TraceRow, k: int) -> str | None:
     if not row.hash_ids:
-        return split_tokens((NS_UNIQUE, seed, index), input_tokens)
+        return None
+    return f"block-{row.hash_ids[0]}" if k == 0 else f"r{k}-block-{row.hash_ids[0]}"
+
+
+def _segments(row: TraceRow, seed: int, index: int, k: int = 0) -> list[Segment]:
+    input_tokens = max(1, row.input_tokens)
+    # Pass k > 0 keys its text by k too (longer keys: never equal to a pass-0 key).
+    unique: tuple[int, ...] = (NS_UNIQUE, seed, index) if k == 0 else (NS_UNIQUE, seed, index, k)
+    if not row.hash_ids:
+        return split_tokens(unique, input_tokens)
     segments: list[Segment] = []
     left = input_tokens
     for h in row.hash_ids:
         if left <= 0:
             break
         n = min(BLOCK_TOKENS, left)
-        segments.append(((NS_MOONCAKE, h), n))
+        segments.append(((NS_MOONCAKE, h) if k == 0 else (NS_MOONCAKE, h, k), n))
         left -= n
     if left > 0:  # longer than its blocks: the rest is unique text
-        segments += split_tokens((NS_UNIQUE, seed, index), left)
+        segments += split_tokens(unique, left)
     return segments
