@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import random
 import time
@@ -154,9 +153,9 @@ class FlowControl:
         check_input_limits(self.cfg.admission, info)
         asked = _parse_priority(headers.get(self.cfg.admission.priority_header))
         if key is None:
-            return dataclasses.replace(info, priority=asked or 0)
+            return info.with_admission(asked or 0, info.tenant)
         prio = key.priority if asked is None else min(asked, key.priority)
-        return dataclasses.replace(info, priority=prio, tenant=key.name)
+        return info.with_admission(prio, key.name)
 
     async def guard(self, info: RequestInfo, key: ApiKey | None, dispatch: Dispatch) -> Response:
         """Rate limit and admit ``info``, then ``dispatch(preferred_backend)``; reconcile."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import ClassVar, Final
 
 from kiloserve.policies.protocol import Policy  # pure module: see its docstring
 
@@ -27,19 +28,86 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, slots=True)
-class RequestInfo:
+class _Value:
+    """Value semantics for the small read-only records below: equality, hash and repr
+    from the fields named in ``_FIELDS`` (also their ``__slots__``). They are plain
+    classes, not frozen dataclasses, because the simulator creates several per request
+    and the compiled build (mypyc) runs a dataclass's generated ``__init__`` as
+    interpreted code. Their attributes are ``Final``: mypy rejects writes after
+    ``__init__``."""
+
+    __slots__ = ()
+    _FIELDS: ClassVar[tuple[str, ...]] = ()  # (mypyc classes have no __slots__ at run time)
+
+    def _names(self) -> tuple[str, ...]:
+        return self._FIELDS
+
+    def _values(self) -> tuple[object, ...]:
+        return tuple(getattr(self, name) for name in self._names())
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        assert isinstance(other, _Value)
+        return self._values() == other._values()
+
+    def __hash__(self) -> int:
+        return hash(self._values())
+
+    def __reduce__(self) -> tuple[type[_Value], tuple[object, ...]]:
+        # copy and pickle through the constructor (its parameters follow _FIELDS): a
+        # compiled class has no instance __dict__ for the default protocol to restore
+        return (type(self), self._values())
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{n}={getattr(self, n)!r}" for n in self._names())
+        return f"{type(self).__name__}({fields})"
+
+
+class RequestInfo(_Value):
     """The request profile (S1.1) a policy sees."""
 
-    request_id: str
-    model: str
-    input_tokens: int
-    predicted_output_tokens: int
-    max_tokens: int | None = None
-    session_key: str | None = None
-    prefix_hashes: tuple[int, ...] = ()
-    priority: int = 0
-    tenant: str | None = None
+    _FIELDS: ClassVar[tuple[str, ...]] = (
+        "request_id",
+        "model",
+        "input_tokens",
+        "predicted_output_tokens",
+        "max_tokens",
+        "session_key",
+        "prefix_hashes",
+        "priority",
+        "tenant",
+    )
+    __slots__ = _FIELDS
+
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        input_tokens: int,
+        predicted_output_tokens: int,
+        max_tokens: int | None = None,
+        session_key: str | None = None,
+        prefix_hashes: tuple[int, ...] = (),
+        priority: int = 0,
+        tenant: str | None = None,
+    ) -> None:
+        self.request_id: Final = request_id
+        self.model: Final = model
+        self.input_tokens: Final = input_tokens
+        self.predicted_output_tokens: Final = predicted_output_tokens
+        self.max_tokens: Final = max_tokens
+        self.session_key: Final = session_key
+        self.prefix_hashes: Final = prefix_hashes
+        self.priority: Final = priority
+        self.tenant: Final = tenant
+
+    def with_admission(self, priority: int, tenant: str | None) -> RequestInfo:
+        """A copy with the admission layer's priority and tenant."""
+        return RequestInfo(
+            self.request_id, self.model, self.input_tokens, self.predicted_output_tokens,
+            self.max_tokens, self.session_key, self.prefix_hashes, priority, tenant,
+        )  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -113,32 +181,54 @@ class ClusterSnapshot:
         return None
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
+class Decision(_Value):
     """Ranked backend ids, best first: ``ranked[0]`` is the pick, the rest fallbacks.
 
     An empty ``ranked`` means no backend can take the request (the gateway answers 503).
     """
 
-    ranked: tuple[str, ...]
-    policy: str
-    reason: str = ""
-    scores: Mapping[str, float] | None = None
+    _FIELDS: ClassVar[tuple[str, ...]] = ("ranked", "policy", "reason", "scores")
+    __slots__ = _FIELDS
+
+    def __init__(
+        self,
+        ranked: tuple[str, ...],
+        policy: str,
+        reason: str = "",
+        scores: Mapping[str, float] | None = None,
+    ) -> None:
+        self.ranked: Final = ranked
+        self.policy: Final = policy
+        self.reason: Final = reason
+        self.scores: Final = scores
+
+    def __hash__(self) -> int:  # scores may be a dict: hash the ranking alone
+        return hash((self.ranked, self.policy, self.reason))
 
     @property
     def backend_id(self) -> str | None:
         return self.ranked[0] if self.ranked else None
 
 
-@dataclass(frozen=True, slots=True)
-class Outcome:
+class Outcome(_Value):
     """What happened to a dispatched request, for ``on_complete`` hooks."""
 
-    ok: bool
-    status: int = 200
-    ttft_ms: float | None = None
-    tpot_ms: float | None = None
-    output_tokens: int = 0
+    _FIELDS: ClassVar[tuple[str, ...]] = ("ok", "status", "ttft_ms", "tpot_ms", "output_tokens")
+    __slots__ = _FIELDS
+
+    def __init__(
+        self,
+        ok: bool,
+        status: int = 200,
+        ttft_ms: float | None = None,
+        tpot_ms: float | None = None,
+        output_tokens: int = 0,
+    ) -> None:
+        self.ok: Final = ok
+        self.status: Final = status
+        self.ttft_ms: Final = ttft_ms
+        self.tpot_ms: Final = tpot_ms
+        self.output_tokens: Final = output_tokens
 
 
 def eligible(request: RequestInfo, snapshot: ClusterSnapshot) -> list[BackendState]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 
-from kiloserve.policies.base import ClusterSnapshot, Decision, Outcome, RequestInfo
+from kiloserve.policies.base import BackendState, ClusterSnapshot, Decision, Outcome, RequestInfo
 from kiloserve.policies.params import PolicyParams
 from kiloserve.policies.signals import candidates
 
@@ -27,15 +27,28 @@ class RoundRobinPolicy:
     def __init__(self, params: RoundRobinParams | None = None) -> None:
         self.params = params or RoundRobinParams()
         self._num_dispatched: dict[str, int] = {}
+        # A snapshot's precomputed candidate tuple (the simulator keeps one per model
+        # until health or weights change) and its ids: held, so never a recycled object.
+        self._known_pool: tuple[BackendState, ...] | None = None
+        self._known_ids: tuple[str, ...] = ()
 
     def choose(
         self, request: RequestInfo, snapshot: ClusterSnapshot, rng: random.Random
     ) -> Decision:
-        ids = [b.backend_id for b in candidates(request, snapshot)]
+        ids = self._candidate_ids(request, snapshot)
         if not ids:
             return Decision(ranked=(), policy=self.name, reason="no eligible backend")
         start = self._num_dispatched.get(request.model, 0) % len(ids)
-        return Decision(ranked=tuple(ids[start:] + ids[:start]), policy=self.name)
+        return Decision(ranked=ids[start:] + ids[:start], policy=self.name)
+
+    def _candidate_ids(self, request: RequestInfo, snapshot: ClusterSnapshot) -> tuple[str, ...]:
+        known = snapshot.eligible_by_model
+        pool = None if known is None else known.get(request.model)
+        if pool is None:
+            return tuple(b.backend_id for b in candidates(request, snapshot))
+        if pool is not self._known_pool:
+            self._known_pool, self._known_ids = pool, tuple(b.backend_id for b in pool)
+        return self._known_ids
 
     def on_dispatch(self, request: RequestInfo, backend_id: str) -> None:
         self._num_dispatched[request.model] = self._num_dispatched.get(request.model, 0) + 1

@@ -13,6 +13,7 @@ import gc
 import heapq
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -90,6 +91,10 @@ class Simulator:
         self.cpu_s = 0.0  # the process's CPU seconds spent in the last run()
         self._specs = specs
         self._heap: list[tuple[float, int, Event]] = []
+        # Events due exactly one network delay from now (token deliveries, completions,
+        # failed attempts) are pushed in time order, so a FIFO holds them sorted; the
+        # loop takes the smaller head of the two, the order one heap would give.
+        self._delayed: deque[tuple[float, int, Event]] = deque()
         self._num_pushed = 0
         self._counts = _Counts(last_busy_s=[0.0] * len(backends))
         self._is_arriving = True
@@ -106,7 +111,11 @@ class Simulator:
     # -- the loop ------------------------------------------------------------------
     def push(self, event: Event) -> None:
         self._num_pushed += 1
-        heapq.heappush(self._heap, (event.time_s, self._num_pushed, event))
+        time_s = event.time_s
+        if time_s == self.now_s + self.delay_s:  # >= the FIFO's last: now never goes back
+            self._delayed.append((time_s, self._num_pushed, event))
+        else:
+            heapq.heappush(self._heap, (time_s, self._num_pushed, event))
 
     def run(self) -> float:
         """Run to the end; returns the wall seconds it took.
@@ -131,9 +140,13 @@ class Simulator:
         for fault in self._faults:
             self.push(Fault(fault))
         self._push_next_arrival()
-        heap, counts, push = self._heap, self._counts, self.push
-        while heap:
-            time_s, _, event = heapq.heappop(heap)
+        heap, delayed, counts, push = self._heap, self._delayed, self._counts, self.push
+        while heap or delayed:
+            # (time, push serial) heads: serials are unique, events never compared
+            if delayed and (not heap or delayed[0] < heap[0]):
+                time_s, _, event = delayed.popleft()
+            else:
+                time_s, _, event = heapq.heappop(heap)
             self.now_s = time_s
             for follow in event.handle(self):
                 push(follow)
