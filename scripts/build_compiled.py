@@ -70,6 +70,8 @@ COMPILED_MODULES = (
     "kiloserve.bench.stream",
     "kiloserve.workload.synthetic",
     "kiloserve.workload.arrivals",
+    "kiloserve.workload.request",
+    "kiloserve.values",
 )
 # Run by a fresh interpreter in the work dir: argv = build_lib, build_temp, module paths.
 SETUP_CODE = """

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -107,7 +106,7 @@ async def test_chat_endpoint_against_twin() -> None:
 @pytest.mark.skipif(not TRACES.is_dir(), reason="no shipped traces")
 async def test_mooncake_prefixes_hit_the_twin_prefix_cache() -> None:
     base = load_workload("mooncake", seed=0, num_requests=4, traces_dir=TRACES)
-    short = [dataclasses.replace(s, output_tokens=2) for s in base]  # keep the run short
+    short = [s.replaced(output_tokens=2) for s in base]  # keep the run short
     workload = Workload("mooncake-short", 0, lambda: iter(short), len(short))
     async with twins(1) as (twin,):
         result = await run_bench(twin.url, MODEL, workload, ClosedLoop(1))

@@ -1,9 +1,11 @@
-"""RequestInfo, Decision and Outcome: plain classes with value semantics."""
+"""RequestInfo, Decision, Outcome and RequestSpec: plain classes with value semantics."""
 
 from __future__ import annotations
 
 import copy
 import pickle
+
+import pytest
 
 from kiloserve.policies.base import Decision, Outcome, RequestInfo
 
@@ -55,3 +57,18 @@ def test_copy_and_pickle_round_trip() -> None:
     for value in (_info(), Decision(("a",), "p", "why"), Outcome(ok=True, output_tokens=3)):
         assert copy.deepcopy(value) == value
         assert pickle.loads(pickle.dumps(value)) == value
+
+
+def test_request_spec_is_a_value_and_replaced_copies() -> None:
+    from kiloserve.workload.request import RequestSpec
+
+    spec = RequestSpec("r", 1.5, 10, 20, "hi there", user="u")
+    assert spec == RequestSpec("r", 1.5, 10, 20, "hi there", None, "u", None)
+    assert hash(spec) == hash(RequestSpec("r", 1.5, 10, 20, "hi there", user="u"))
+    short = spec.replaced(output_tokens=2)
+    assert isinstance(short, RequestSpec) and short.output_tokens == 2
+    assert short.replaced(output_tokens=20) == spec and spec.output_tokens == 20
+    assert not spec.is_closed_loop and spec.replaced(arrival_s=None).is_closed_loop
+    with pytest.raises(TypeError, match="no field"):
+        spec.replaced(outputs=3)
+    assert pickle.loads(pickle.dumps(spec)) == spec

@@ -1,4 +1,5 @@
-"""Lengths and gaps drawn in blocks equal, bit for bit, the one-call-per-draw reference.
+"""Lengths and gaps drawn in blocks equal, bit for bit, the one-call-per-draw reference;
+the batched workload digest equals the line-by-line one.
 
 The synthetic generator and the request-rate arrivals take numpy draws in blocks; the
 workloads (and so every simulated result) must not change. The references below are
@@ -14,6 +15,7 @@ import pytest
 
 from kiloserve.workload.arrivals import STREAM_ARRIVALS, request_rate_arrivals
 from kiloserve.workload.prompts import PromptBuilder
+from kiloserve.workload.request import RequestSpec
 from kiloserve.workload.spec import parse_dist
 from kiloserve.workload.synthetic import (
     STREAM_LENGTHS,
@@ -78,3 +80,30 @@ def test_batched_gaps_equal_per_call_draws(burstiness: float) -> None:
         t += float(rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness)))
     got = list(itertools.islice(request_rate_arrivals(rate, burstiness, seed=seed), N))
     assert got == expected
+
+
+def test_workload_digest_equals_the_line_by_line_reference() -> None:
+    import hashlib
+    import zlib
+
+    from kiloserve.bench.stream import DIGEST_BATCH, WorkloadDigest
+    from kiloserve.workload import load_workload
+
+    def reference(specs: list[RequestSpec]) -> str:
+        h = hashlib.sha256()
+        for s in specs:
+            crc = zlib.crc32(s.prompt.encode())
+            fields = (s.request_id, repr(s.arrival_s), s.input_tokens, s.output_tokens, crc)
+            h.update(("|".join(map(str, fields)) + "\n").encode())
+        return h.hexdigest()
+
+    for with_prompts in (True, False):
+        n = 2 * DIGEST_BATCH + 7
+        specs = load_workload("mix:chat=0.7,short=0.3", seed=2, rate=10.0, num_requests=n,
+                              with_prompts=with_prompts).take(n)  # fmt: skip
+        digest = WorkloadDigest()
+        for i, spec in enumerate(specs):
+            digest.add(spec)
+            if i == 100:
+                assert digest.hexdigest() == reference(specs[:101])  # mid-way reads flush
+        assert digest.hexdigest() == reference(specs)

@@ -116,6 +116,9 @@ class StreamState:
         self.is_done = True
 
 
+DIGEST_BATCH = 512
+
+
 class WorkloadDigest:
     """SHA-256 over the sent sequence (ids, arrival times, lengths, prompt CRCs).
 
@@ -124,11 +127,21 @@ class WorkloadDigest:
 
     def __init__(self) -> None:
         self._hash = hashlib.sha256()
+        self._lines: list[str] = []  # hashed in batches: the same bytes, fewer calls
 
     def add(self, spec: RequestSpec) -> None:
-        crc = zlib.crc32(spec.prompt.encode())
-        fields = (spec.request_id, repr(spec.arrival_s), spec.input_tokens, spec.output_tokens, crc)
-        self._hash.update(("|".join(map(str, fields)) + "\n").encode())
+        prompt = spec.prompt
+        crc = zlib.crc32(prompt.encode()) if prompt else 0  # crc32(b"") == 0
+        self._lines.append(
+            f"{spec.request_id}|{spec.arrival_s!r}|{spec.input_tokens}|{spec.output_tokens}|{crc}\n"
+        )
+        if len(self._lines) >= DIGEST_BATCH:
+            self._flush()
+
+    def _flush(self) -> None:
+        self._hash.update("".join(self._lines).encode())
+        self._lines.clear()
 
     def hexdigest(self) -> str:
+        self._flush()
         return self._hash.hexdigest()

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Final
 
 from kiloserve.policies.protocol import Policy  # pure module: see its docstring
+from kiloserve.values import Value
 
 __all__ = [
     "BackendState",
@@ -28,43 +29,7 @@ __all__ = [
 ]
 
 
-class _Value:
-    """Value semantics for the small read-only records below: equality, hash and repr
-    from the fields named in ``_FIELDS`` (also their ``__slots__``). They are plain
-    classes, not frozen dataclasses, because the simulator creates several per request
-    and the compiled build (mypyc) runs a dataclass's generated ``__init__`` as
-    interpreted code. Their attributes are ``Final``: mypy rejects writes after
-    ``__init__``."""
-
-    __slots__ = ()
-    _FIELDS: ClassVar[tuple[str, ...]] = ()  # (mypyc classes have no __slots__ at run time)
-
-    def _names(self) -> tuple[str, ...]:
-        return self._FIELDS
-
-    def _values(self) -> tuple[object, ...]:
-        return tuple(getattr(self, name) for name in self._names())
-
-    def __eq__(self, other: object) -> bool:
-        if type(other) is not type(self):
-            return NotImplemented
-        assert isinstance(other, _Value)
-        return self._values() == other._values()
-
-    def __hash__(self) -> int:
-        return hash(self._values())
-
-    def __reduce__(self) -> tuple[type[_Value], tuple[object, ...]]:
-        # copy and pickle through the constructor (its parameters follow _FIELDS): a
-        # compiled class has no instance __dict__ for the default protocol to restore
-        return (type(self), self._values())
-
-    def __repr__(self) -> str:
-        fields = ", ".join(f"{n}={getattr(self, n)!r}" for n in self._names())
-        return f"{type(self).__name__}({fields})"
-
-
-class RequestInfo(_Value):
+class RequestInfo(Value):
     """The request profile (S1.1) a policy sees."""
 
     _FIELDS: ClassVar[tuple[str, ...]] = (
@@ -181,7 +146,7 @@ class ClusterSnapshot:
         return None
 
 
-class Decision(_Value):
+class Decision(Value):
     """Ranked backend ids, best first: ``ranked[0]`` is the pick, the rest fallbacks.
 
     An empty ``ranked`` means no backend can take the request (the gateway answers 503).
@@ -210,7 +175,7 @@ class Decision(_Value):
         return self.ranked[0] if self.ranked else None
 
 
-class Outcome(_Value):
+class Outcome(Value):
     """What happened to a dispatched request, for ``on_complete`` hooks."""
 
     _FIELDS: ClassVar[tuple[str, ...]] = ("ok", "status", "ttft_ms", "tpot_ms", "output_tokens")

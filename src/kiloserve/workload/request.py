@@ -10,28 +10,54 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import ClassVar, Final
+
+from kiloserve.values import Value
 
 __all__ = ["RequestSpec", "Workload"]
 
 
-@dataclass(frozen=True, slots=True)
-class RequestSpec:
+class RequestSpec(Value):
     """One request to send.
 
     ``arrival_s`` is the send time in seconds from the start of the run, or ``None``
     for closed-loop workloads (the client sends as soon as a slot frees up).
     ``prompt`` has exactly ``input_tokens`` tokens under ``kiloserve.tokens.tokenize``
-    (or is empty when the workload was built with ``with_prompts=False``).
+    (or is empty when the workload was built with ``with_prompts=False``). A read-only
+    value (``kiloserve.values.Value``); ``spec.replaced(output_tokens=2)`` copies.
     """
 
-    request_id: str
-    arrival_s: float | None
-    input_tokens: int
-    output_tokens: int
-    prompt: str
-    session_id: str | None = None
-    user: str | None = None
-    prefix_group: str | None = None
+    _FIELDS: ClassVar[tuple[str, ...]] = (
+        "request_id",
+        "arrival_s",
+        "input_tokens",
+        "output_tokens",
+        "prompt",
+        "session_id",
+        "user",
+        "prefix_group",
+    )
+    __slots__ = _FIELDS
+
+    def __init__(
+        self,
+        request_id: str,
+        arrival_s: float | None,
+        input_tokens: int,
+        output_tokens: int,
+        prompt: str,
+        session_id: str | None = None,
+        user: str | None = None,
+        prefix_group: str | None = None,
+    ) -> None:
+        self.request_id: Final = request_id
+        self.arrival_s: Final = arrival_s
+        self.input_tokens: Final = input_tokens
+        self.output_tokens: Final = output_tokens
+        self.prompt: Final = prompt
+        self.session_id: Final = session_id
+        self.user: Final = user
+        self.prefix_group: Final = prefix_group
 
     @property
     def is_closed_loop(self) -> bool:
