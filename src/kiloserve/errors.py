@@ -14,6 +14,8 @@ Third-party exceptions are translated at the edge with ``raise ... from exc``.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 class KiloserveError(Exception):
     """Base of every error kiloserve raises on purpose."""
@@ -67,3 +69,12 @@ class NotFoundError(RequestError):
 class PayloadTooLargeError(RequestError):
     status = 413
     err_type = "invalid_request_error"
+
+
+def some_of(names: Iterable[str], limit: int = 10) -> str:
+    """``a, b, c`` for an error message; past ``limit`` names, the first ``limit`` and
+    ``... (N in all)`` (a 1,024-GPU cluster has hundreds of backends)."""
+    items = list(names)
+    if len(items) <= limit:
+        return ", ".join(items)
+    return f"{', '.join(items[:limit])}, ... ({len(items)} in all)"

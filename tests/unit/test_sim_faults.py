@@ -127,3 +127,12 @@ def test_yaml_slowdown_fault_of_the_cluster_applies_from_the_start() -> None:
     slow_tpot = per_backend["slow"]["tpot_ms"]["p50"]  # type: ignore[index]
     fast_tpot = per_backend["h100-0"]["tpot_ms"]["p50"]  # type: ignore[index]
     assert slow_tpot > 2.5 * fast_tpot
+
+
+def test_some_of_keeps_error_messages_short() -> None:
+    from kiloserve.errors import some_of
+
+    assert some_of(["a", "b"]) == "a, b"
+    names = [f"b{i}" for i in range(368)]
+    assert some_of(names) == "b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, ... (368 in all)"
+    assert some_of(names[:10]) == ", ".join(names[:10])

@@ -132,8 +132,10 @@ class WorkloadDigest:
     def add(self, spec: RequestSpec) -> None:
         prompt = spec.prompt
         crc = zlib.crc32(prompt.encode()) if prompt else 0  # crc32(b"") == 0
+        # plain str/int fields only: mypyc builds such f-strings without str.format
+        arrival = repr(spec.arrival_s)
         self._lines.append(
-            f"{spec.request_id}|{spec.arrival_s!r}|{spec.input_tokens}|{spec.output_tokens}|{crc}\n"
+            f"{spec.request_id}|{arrival}|{spec.input_tokens}|{spec.output_tokens}|{crc}\n"
         )
         if len(self._lines) >= DIGEST_BATCH:
             self._flush()

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from kiloserve.bench.records import RequestRecord
 from kiloserve.engine.core import StepResult
-from kiloserve.errors import ConfigError, RequestError
+from kiloserve.errors import ConfigError, RequestError, some_of
 from kiloserve.sim.backend import SimBackend
 from kiloserve.sim.events import (
     Arrival,
@@ -103,7 +103,7 @@ class Simulator:
         self._by_id = {b.backend_id: b for b in backends}
         for fault in faults:
             if fault.backend not in self._by_id:
-                valid = ", ".join(self._by_id)
+                valid = some_of(self._by_id)
                 raise ConfigError(f"fault names unknown backend {fault.backend!r}; valid: {valid}")
 
         self._faults = list(faults)

@@ -187,7 +187,7 @@ def synthetic_requests(
         if with_prompts:
             prompt = builder.render(_segments(seed, i, body_tokens, group, groups))
         yield RequestSpec(
-            request_id=f"{name}-{i:06d}",
+            request_id=f"{name}-{str(i).zfill(6)}",  # = {i:06d}, without str.format
             arrival_s=arrival_s,
             # what the segments add up to: the group's head, then the body
             input_tokens=body_tokens + (0 if group is None else groups.prefix_tokens),

@@ -164,7 +164,8 @@ def trace_requests(
 
 def pass_request_id(name: str, index: int, k: int) -> str:
     """``NAME-INDEX`` on the first pass, ``NAME-rK-INDEX`` on pass ``k`` > 0."""
-    return f"{name}-{index:06d}" if k == 0 else f"{name}-r{k}-{index:06d}"
+    digits = str(index).zfill(6)  # = f"{index:06d}" (index >= 0), without str.format
+    return f"{name}-{digits}" if k == 0 else f"{name}-r{k}-{digits}"
 
 
 def _prefix_group(row: TraceRow, k: int) -> str | None:
