@@ -22,6 +22,12 @@ Run: ``.venv/bin/python benchmarks/sim_speed.py [--num-requests N] [--policy P]`
 built first when missing or stale; docs/simulator.md); ``--both`` runs the pure and
 the compiled build, each in its own process, and prints the compiled/pure ratio.
 Every row and target line names the build it measured.
+
+``--day`` runs the issue's literal case instead: one simulated day (86,400 s) of the
+1,024-GPU cluster at the reference rate (6.2 M requests), the Azure conversation
+trace replayed back to back (``azure-conv:repeat=inf``), and prints the requests, the
+event loop's wall and CPU time, the whole run's wall time and peak memory against
+the 10-minute target. It takes 10-20 minutes; add ``--compiled`` for the mypyc build.
 """
 
 from __future__ import annotations
@@ -30,10 +36,12 @@ import argparse
 import json
 import math
 import os
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import kiloserve.sim.simulator
@@ -96,6 +104,35 @@ def run_repeated(
     return out
 
 
+def run_day(policy: str, day_s: float = 86_400.0) -> int:
+    """One simulated day at 1,024 GPUs and the reference rate (module docstring);
+    ``day_s`` shortens it for a quick check (no verdict then)."""
+    started = time.perf_counter()
+    cluster = load_cluster_config(ROOT / "examples" / "cluster-1024.yaml")
+    rate = SEED_REQUESTS_PER_DAY_1024 / 86_400
+    workload = load_workload("azure-conv:repeat=inf", rate=rate, duration_s=day_s,
+                             with_prompts=False)  # fmt: skip
+    summary = simulate(cluster, workload, policy).summary
+    total_s = time.perf_counter() - started
+    n, loop_s = float(summary["simulated_requests"]), float(summary["sim_wall_s"])
+    peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # KiB on Linux
+    build = which_build()
+    print(f"one simulated day: 1,024 GPUs, azure-conv:repeat=inf at {rate:.1f} req/s for "
+          f"{day_s:,.0f} s, policy {policy}, {build} build")  # fmt: skip
+    print(f"  {n:,.0f} requests ({summary['requests_ok']:,} ok), TTFT p95 "
+          f"{float(summary['ttft_ms']['p95']):.0f} ms")  # fmt: skip
+    print(f"  event loop {loop_s:.0f} s wall, {float(summary['sim_cpu_s']):.0f} s CPU: "
+          f"{n / loop_s:,.0f} simulated req/wall s; whole run {total_s:.0f} s "
+          f"({total_s / 60:.1f} min), peak RSS {peak_gb:.2f} GB")  # fmt: skip
+    if day_s != 86_400.0:
+        print("  (a shortened day: no verdict)")
+        return 0
+    met = "MET" if total_s < 600 else "NOT MET"
+    print(f"target: one simulated day of 6.2 M requests in under 10 minutes ({build} build): "
+          f"{total_s / 60:.1f} min -> {met}")  # fmt: skip
+    return 0
+
+
 def which_build() -> str:
     """``compiled`` when the simulator runs from a C extension (mypyc), else ``pure``."""
     is_compiled = not kiloserve.sim.simulator.__file__.endswith(".py")
@@ -109,6 +146,8 @@ def run_builds(args: argparse.Namespace) -> int:
     forwarded = [f"--num-requests={args.num_requests}", f"--policy={args.policy}",
                  f"--sizes={args.sizes}", f"--loads={args.loads}",
                  f"--repeat={args.repeat}"]  # fmt: skip
+    if args.day:
+        forwarded += ["--day", f"--day-seconds={args.day_seconds}"]
     paths = [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x]
     paths = [x for x in paths if Path(x).resolve() != COMPILED_DIR]
     rows: dict[str, list[dict[str, float | str]]] = {}
@@ -120,10 +159,12 @@ def run_builds(args: argparse.Namespace) -> int:
             cmd = [sys.executable, __file__, *forwarded, f"--json-out={out}"]
             if subprocess.run(cmd, env=env).returncode:
                 return 1
+            if args.day:
+                continue  # the day run prints its own lines
             rows[build] = json.loads(out.read_text())
             if {r["build"] for r in rows[build]} != {build}:
                 raise SystemExit(f"the {build} run did not import the {build} build")
-    if args.both:
+    if args.both and not args.day:
         print("compiled/pure (sim req/wall s):")
         for pure, comp in zip(rows["pure"], rows["compiled"], strict=True):
             ratio = float(comp["per_wall_s"]) / float(pure["per_wall_s"])
@@ -150,10 +191,15 @@ def main() -> int:
     p.add_argument("--loads", default="seed,busy", help="operating points: seed,busy")
     p.add_argument("--compiled", action="store_true", help="use the mypyc build (built if stale)")
     p.add_argument("--both", action="store_true", help="pure and compiled, and their ratio")
+    p.add_argument("--day", action="store_true", help="one literal simulated day (10-20 min)")
+    p.add_argument("--day-seconds", type=float, default=86_400.0,
+                   help="simulated seconds for --day (shorter: a quick check)")  # fmt: skip
     p.add_argument("--json-out", type=Path, help=argparse.SUPPRESS)  # rows, for run_builds
     args = p.parse_args()
     if args.compiled or args.both:
         return run_builds(args)
+    if args.day:
+        return run_day(args.policy, args.day_seconds)
     build = which_build()
     base = load_cluster_config(ROOT / "examples" / "cluster-1024.yaml")
     print(f"policy {args.policy}, azure-conv trace, {args.num_requests} requests per run, "
