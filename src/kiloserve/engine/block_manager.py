@@ -31,6 +31,18 @@ from kiloserve.engine.sequence import Sequence
 
 __all__ = ["BlockManager"]
 
+# Block ids as shared int objects, grown on demand: handing out fresh blocks copies a
+# slice of this list instead of creating an int per block (most ids are above the
+# interpreter's small-int cache). Ints are immutable, so every manager can share them.
+_BLOCK_IDS: list[int] = []
+
+
+def _block_ids(start: int, stop: int) -> list[int]:
+    """``list(range(start, stop))``, its ints shared with every earlier call."""
+    if stop > len(_BLOCK_IDS):
+        _BLOCK_IDS.extend(range(len(_BLOCK_IDS), stop))
+    return _BLOCK_IDS[start:stop]
+
 
 class BlockManager:
     """Owns every KV block; pairs each check with its action."""
@@ -251,7 +263,7 @@ class BlockManager:
         num_fresh = min(num_blocks - num_reused, self._num_fresh_blocks)
         if num_fresh > 0:
             first_id = len(ref_counts)
-            taken += range(first_id, first_id + num_fresh)
+            taken += _block_ids(first_id, first_id + num_fresh)
             ref_counts += [1] * num_fresh
             self._hashes += [None] * num_fresh
             self._num_fresh_blocks -= num_fresh

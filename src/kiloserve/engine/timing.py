@@ -147,12 +147,11 @@ class StepTimeModel:
         overhead_s = self._fixed_s + (REQUEST_OVERHEAD_S + self._allreduce_s_per_token) * num_seqs
         num_memory_bound = _num_steps_below(c0 - m0, c1 - m1, num_steps)
         if c1 - m1 < 0:  # compute-bound first, memory-bound later
-            first, second = (c0, c1), (m0, m1)
             num_first = num_steps - num_memory_bound
+            total = _series_sum(c0, c1, 0, num_first) + _series_sum(m0, m1, num_first, num_steps)
         else:
-            first, second = (m0, m1), (c0, c1)
             num_first = num_memory_bound
-        total = _series_sum(*first, 0, num_first) + _series_sum(*second, num_first, num_steps)
+            total = _series_sum(m0, m1, 0, num_first) + _series_sum(c0, c1, num_first, num_steps)
         return total + overhead_s * num_steps
 
     def _decode_compute_s(self, num_seqs: int, context_tokens: int) -> float:

@@ -16,7 +16,6 @@ import itertools
 import random
 from collections.abc import Sequence
 
-from kiloserve.engine.sequence import Sequence as EngineSequence
 from kiloserve.errors import ConfigError
 from kiloserve.gateway.backends import BackendRecord, BackendTable
 from kiloserve.gateway.config import GatewayConfig
@@ -24,6 +23,7 @@ from kiloserve.policies.base import BackendState, Outcome, Policy, RequestInfo
 from kiloserve.sim.backend import SimBackend
 from kiloserve.sim.cluster import scrape_into
 from kiloserve.sim.request import SimRequest
+from kiloserve.sim.sequence import SimSequence
 from kiloserve.workload import RequestSpec
 
 __all__ = ["ModelPicker", "SimGateway"]
@@ -74,7 +74,7 @@ class SimGateway:
         self._candidates: dict[str, tuple[BackendState, ...]] | None = None
         self.num_dead = 0  # backends whose engine is down (kept by the simulator's faults)
 
-    def profile(self, spec: RequestSpec, model: str, seq: EngineSequence) -> RequestInfo:
+    def profile(self, spec: RequestSpec, model: str, seq: SimSequence) -> RequestInfo:
         """The profile the gateway builds for the bench client's request for ``spec``."""
         return RequestInfo(
             request_id=spec.request_id,
@@ -83,7 +83,7 @@ class SimGateway:
             predicted_output_tokens=spec.output_tokens,
             max_tokens=spec.output_tokens,
             session_key=spec.user,
-            prefix_hashes=tuple(seq.block_hashes[: self._num_prefix_blocks]),
+            prefix_hashes=seq.prefix_hashes(self._num_prefix_blocks),
             tenant=spec.user,
         )
 

@@ -12,8 +12,9 @@ meaning:
   faster;
 * text known to be this request's own (``unique_key`` set: every prompt token from
   ``unique_from`` on, and so every later block, belongs to this prompt alone; the
-  engine keeps such blocks out of its hash index, so only prompt blocks are hashed,
-  for the gateway's prefix hashes; output blocks are not):
+  engine keeps such blocks out of its hash index and never reads their hashes, so
+  ``block_hashes`` stops before them and only the gateway's prefix hashes,
+  ``prefix_hashes()``, spell them out):
   block ``b`` of such a prefix hashes to ``unique_key + b``, where the key is a
   64-bit hash of the request's text name with its low ``UNIQUE_INDEX_BITS`` bits
   clear. Two blocks get equal hashes only for the same key and index, i.e. the same
@@ -90,8 +91,20 @@ class SimSequence(Sequence):
         first_unique = self.unique_from // size  # the first block holding a unique token
         if begin < first_unique:
             self._hash_tokens(begin, min(end, first_unique))
-        if end > first_unique:
-            self.block_hashes += range(key + max(begin, first_unique), key + end)
+        # Blocks from first_unique on would hash to key + index: nobody reads them from
+        # here (the engine never looks private blocks up; see prefix_hashes), so they
+        # are not stored and block_hashes stops at the shared blocks.
+
+    def prefix_hashes(self, num_blocks: int) -> tuple[int, ...]:
+        """The first ``num_blocks`` hashes of the prompt's full blocks, the private ones
+        (``unique_key + index``) included: what the gateway's profile hashes."""
+        shared = self.block_hashes[:num_blocks]
+        key = self.unique_key
+        if key is None or len(shared) >= num_blocks:
+            return tuple(shared)
+        size = self.block_size
+        end = min(num_blocks, self.num_prompt_tokens // size)
+        return (*shared, *range(key + self.unique_from // size, key + end))
 
     def _hash_tokens(self, begin_block: int, end_block: int) -> None:
         """Chain the tuple hash over blocks ``begin_block .. end_block - 1``."""
