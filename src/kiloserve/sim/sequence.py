@@ -104,7 +104,8 @@ class SimSequence(Sequence):
             return tuple(shared)
         size = self.block_size
         end = min(num_blocks, self.num_prompt_tokens // size)
-        return (*shared, *range(key + self.unique_from // size, key + end))
+        private = tuple(range(key + self.unique_from // size, key + end))  # built in C
+        return tuple(shared) + private if shared else private
 
     def _hash_tokens(self, begin_block: int, end_block: int) -> None:
         """Chain the tuple hash over blocks ``begin_block .. end_block - 1``."""
