@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import heapq
 import json
 import os
 import subprocess
@@ -35,7 +34,7 @@ def _run(policy: str, seed: int = 0) -> tuple[dict[str, object], list[tuple[str,
     return summary, result.routing
 
 
-def _bare_simulator() -> Simulator:
+def _bare_simulator(network_delay_s: float = 0.0) -> Simulator:
     from kiloserve.policies.registry import create_policy
     from kiloserve.sim.cluster import build_backends, build_gateway_config, describe_backends
     from kiloserve.sim.gateway import ModelPicker, SimGateway
@@ -51,15 +50,17 @@ def _bare_simulator() -> Simulator:
         backends, gateway, iter(()), PromptIds(empty),
         MetricsCollector([b.backend_id for b in backends]),
         models=ModelPicker({"Llama-3.1-8B": 2.0}, None, 0),
-        network_delay_s=0.0, scrape_interval_s=0.2,
+        network_delay_s=network_delay_s, scrape_interval_s=0.2,
     )  # fmt: skip
 
 
-def test_event_queue_pops_in_time_order_and_ties_in_scheduling_order() -> None:
+@pytest.mark.parametrize("delay_s", [0.0, 0.5])
+def test_event_queue_pops_in_time_order_and_ties_in_scheduling_order(delay_s: float) -> None:
     """The loop's queue, as ``run()`` drives it: pop the earliest, push its follow-ups.
-    Plain ``Event`` instances (no subclass: the compiled build forbids interpreted
-    subclasses of its classes), named by identity."""
-    sim = _bare_simulator()
+    Events due one network delay after ``now`` wait in a FIFO beside the heap; the
+    order must be the one a single heap gives. Plain ``Event`` instances (no subclass:
+    the compiled build forbids interpreted subclasses of its classes), named by id."""
+    sim = _bare_simulator(delay_s)
     names: dict[int, str] = {}
 
     def push(name: str, time_s: float) -> None:
@@ -69,21 +70,26 @@ def test_event_queue_pops_in_time_order_and_ties_in_scheduling_order() -> None:
 
     for name, time_s in (("late", 2.0), ("tie-first", 1.0), ("tie-second", 1.0), ("early", 0.5)):
         push(name, time_s)
-    follow = {"tie-first": (("child", 1.5), ("tie-child", 2.0))}
+    # "early" (at 0.5) pushes children at now + delay, some tying with heap events
+    follow = {
+        "early": (("d1", 0.5 + delay_s), ("d2", 0.5 + delay_s), ("e1", 1.0)),
+        "tie-first": (("child", 1.5), ("tie-child", 2.0), ("d3", 1.0 + delay_s)),
+    }
     log: list[tuple[float, str]] = []
-    while sim._heap:
-        time_s, _, event = heapq.heappop(sim._heap)
-        log.append((time_s, names[id(event)]))
+    while (event := sim.pop()) is not None:
+        assert sim.now_s == event.time_s
+        log.append((event.time_s, names[id(event)]))
         for name, child_s in follow.get(names[id(event)], ()):
             push(name, child_s)
-    assert log == [
-        (0.5, "early"),
-        (1.0, "tie-first"),
-        (1.0, "tie-second"),
-        (1.5, "child"),
-        (2.0, "late"),
-        (2.0, "tie-child"),
-    ]
+    # what one heap ordered by (time, push serial) gives
+    assert [name for _, name in log] == {
+        0.0: ["early", "d1", "d2", "tie-first", "tie-second", "e1", "d3", "child", "late",
+              "tie-child"],
+        0.5: ["early", "tie-first", "tie-second", "d1", "d2", "e1", "child", "d3", "late",
+              "tie-child"],
+    }[delay_s]  # fmt: skip
+    assert [t for t, _ in log] == sorted(t for t, _ in log)
+    assert len(sim._delayed) == 0 and sim._heap == []
 
 
 @pytest.mark.parametrize("policy", ["round_robin", "random", "default", "power_of_two"])

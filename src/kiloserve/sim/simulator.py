@@ -117,6 +117,20 @@ class Simulator:
         else:
             heapq.heappush(self._heap, (time_s, self._num_pushed, event))
 
+    def pop(self) -> Event | None:
+        """The next event (earliest; ties in push order), with ``now_s`` moved to its
+        time; None when nothing is left."""
+        heap, delayed = self._heap, self._delayed
+        # (time, push serial) heads: serials are unique, so events are never compared
+        if delayed and (not heap or delayed[0] < heap[0]):
+            time_s, _, event = delayed.popleft()
+        elif heap:
+            time_s, _, event = heapq.heappop(heap)
+        else:
+            return None
+        self.now_s = time_s
+        return event
+
     def run(self) -> float:
         """Run to the end; returns the wall seconds it took.
 
@@ -140,14 +154,8 @@ class Simulator:
         for fault in self._faults:
             self.push(Fault(fault))
         self._push_next_arrival()
-        heap, delayed, counts, push = self._heap, self._delayed, self._counts, self.push
-        while heap or delayed:
-            # (time, push serial) heads: serials are unique, events never compared
-            if delayed and (not heap or delayed[0] < heap[0]):
-                time_s, _, event = delayed.popleft()
-            else:
-                time_s, _, event = heapq.heappop(heap)
-            self.now_s = time_s
+        counts, push, pop = self._counts, self.push, self.pop
+        while (event := pop()) is not None:
             for follow in event.handle(self):
                 push(follow)
             counts.num_events += 1
