@@ -69,10 +69,7 @@ class RequestInfo(Value):
 
     def with_admission(self, priority: int, tenant: str | None) -> RequestInfo:
         """A copy with the admission layer's priority and tenant."""
-        return RequestInfo(
-            self.request_id, self.model, self.input_tokens, self.predicted_output_tokens,
-            self.max_tokens, self.session_key, self.prefix_hashes, priority, tenant,
-        )  # fmt: skip
+        return self.replaced(priority=priority, tenant=tenant)
 
 
 @dataclass(slots=True)

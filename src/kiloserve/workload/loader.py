@@ -140,8 +140,6 @@ def _trace_workload(
     keep = _looped_count(arrivals, repeat, period_s, duration_s, num_requests)
     if keep == 0:
         raise ConfigError("the trace selection is empty (check window and duration)")
-    if repeat == 1:  # one pass: keep only the rows it uses
-        indices, arrivals = indices[:keep], arrivals[:keep]
     kept = list[float | None](arrivals)
     params["repeat"] = None if math.isinf(repeat) else int(repeat)
 
@@ -151,7 +149,7 @@ def _trace_workload(
             parsed.kind, rows, indices, kept, seed=seed, builder=builder,
             with_prompts=with_prompts, repeat=repeat, period_s=period_s,
         )  # fmt: skip
-        return itertools.islice(specs, keep)
+        return itertools.islice(specs, keep)  # the cut by duration and count
 
     return Workload(parsed.text, seed, make_iter, keep, params)
 

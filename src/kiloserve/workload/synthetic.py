@@ -89,6 +89,11 @@ def sample_tokens(dist: Dist, rng: np.random.Generator) -> int:
         value = float(rng.lognormal(math.log(p[0]) - p[1] ** 2 / 2, p[1]))
     else:
         value = float(rng.normal(p[0], p[1]))
+    return _to_tokens(value)
+
+
+def _to_tokens(value: float) -> int:
+    """A drawn length, rounded and clipped to [1, MAX_TOKENS]."""
     return int(min(MAX_TOKENS, max(1, round(value))))
 
 
@@ -105,16 +110,14 @@ def _via_normals(dist: Dist) -> Callable[[Iterator[float]], int] | None:
     or None when ``dist`` draws anything but standard normals (uniform)."""
     p = dist.params
     if dist.kind == "fixed":
-        fixed = int(min(MAX_TOKENS, max(1, round(p[0]))))
+        fixed = _to_tokens(p[0])
         return lambda normals: fixed
     if dist.kind == "lognormal":
         mu, sigma = math.log(p[0]) - p[1] ** 2 / 2, p[1]
-        return lambda normals: int(
-            min(MAX_TOKENS, max(1, round(math.exp(mu + sigma * next(normals)))))
-        )
+        return lambda normals: _to_tokens(math.exp(mu + sigma * next(normals)))
     if dist.kind == "normal":
         mean, std = p
-        return lambda normals: int(min(MAX_TOKENS, max(1, round(mean + std * next(normals)))))
+        return lambda normals: _to_tokens(mean + std * next(normals))
     return None
 
 
