@@ -34,10 +34,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from kiloserve.bench.client import ClientOptions, run_bench  # noqa: E402
-from kiloserve.bench.records import RequestRecord  # noqa: E402
-from kiloserve.gateway.scrape import parse_engine_metrics  # noqa: E402
 from kiloserve.launch.cluster import LocalCluster  # noqa: E402
 from kiloserve.launch.config import ClusterConfig  # noqa: E402
+from kiloserve.results.records import RequestRecord  # noqa: E402
+from kiloserve.routing.engine_metrics import parse_engine_metrics  # noqa: E402
 from kiloserve.workload import OpenLoop, load_workload  # noqa: E402
 from kiloserve.workload.request import RequestSpec, Workload  # noqa: E402
 

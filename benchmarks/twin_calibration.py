@@ -28,12 +28,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kiloserve.catalog import GpuSpec, ModelSpec, get_gpu, get_model, list_gpus, list_models
+from kiloserve.catalog.memory import plan_memory, smallest_fitting
 from kiloserve.engine.config import EngineConfig
 from kiloserve.engine.core import EngineCore
 from kiloserve.engine.sequence import Sequence as EngineSequence
 from kiloserve.engine.timing import StepTimeModel
 from kiloserve.errors import DoesNotFitError
-from kiloserve.plan.memory import plan_memory, smallest_fitting
 
 TOLERANCE = 0.25
 

@@ -22,10 +22,10 @@ from rich.table import Table
 
 from kiloserve.bench.client import ClientOptions, run_bench
 from kiloserve.bench.compare import compare_policies, default_model
-from kiloserve.bench.metrics import parse_slo, summarize
 from kiloserve.launch.cli import backend_table
 from kiloserve.launch.cluster import LocalCluster
 from kiloserve.launch.config import load_cluster_config
+from kiloserve.results.metrics import parse_slo, summarize
 from kiloserve.workload import OpenLoop, Workload, load_workload
 
 __all__ = ["main"]

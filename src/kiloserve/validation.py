@@ -1,17 +1,22 @@
-"""Helpers for pydantic validation errors shared by every config loader."""
+"""Helpers for validation errors shared by every config loader (pydantic or not)."""
 
 from __future__ import annotations
 
 import types
 import typing
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-from pydantic import BaseModel
+if TYPE_CHECKING:  # imported lazily: the catalog uses this module without pydantic
+    from pydantic import BaseModel
 
-__all__ = ["model_at"]
+__all__ = ["model_at", "unknown_keys_message"]
 
 
 def _models_in(annotation: object) -> list[type[BaseModel]]:
     """Pydantic models inside an annotation (``X``, ``X | None``, ``list[X]``, ...)."""
+    from pydantic import BaseModel
+
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return [annotation]
     args = typing.get_args(annotation)
@@ -35,3 +40,11 @@ def model_at(root: type[BaseModel], loc: tuple[int | str, ...]) -> type[BaseMode
             break
         model = inner[0]
     return model
+
+
+def unknown_keys_message(unknown: Iterable[object], valid: Iterable[str]) -> str:
+    """``unknown key 'x' (valid keys: a, b)``, or ``unknown keys 'x', 'y' (...)`` for
+    several; ``valid`` is listed in the order given (callers sort it where they want)."""
+    names = [f"'{key}'" for key in unknown]
+    noun = "key" if len(names) == 1 else "keys"
+    return f"unknown {noun} {', '.join(names)} (valid keys: {', '.join(valid)})"

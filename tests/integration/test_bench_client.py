@@ -23,11 +23,11 @@ import orjson
 import pytest
 from aiohttp import web
 
-from kiloserve.bench import plots
 from kiloserve.bench.client import ClientOptions, run_bench
-from kiloserve.bench.metrics import parse_slo, summarize
-from kiloserve.bench.report import load_records, load_summary, write_comparison, write_report
 from kiloserve.cli import main
+from kiloserve.results import plots
+from kiloserve.results.metrics import parse_slo, summarize
+from kiloserve.results.report import load_records, load_summary, write_comparison, write_report
 from kiloserve.tokens import count_tokens
 from kiloserve.workload import ClosedLoop, OpenLoop, load_workload
 

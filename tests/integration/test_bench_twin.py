@@ -18,12 +18,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import FixedStepTimer
 from kiloserve.bench.client import ClientOptions, run_bench
-from kiloserve.bench.metrics import parse_slo, summarize
-from kiloserve.bench.report import write_report
 from kiloserve.engine.server import TwinServer
 from kiloserve.engine.twin import TwinConfig
 from kiloserve.gateway.app import create_gateway_app
 from kiloserve.gateway.config import parse_gateway_config
+from kiloserve.results.metrics import parse_slo, summarize
+from kiloserve.results.report import write_report
 from kiloserve.workload import ClosedLoop, OpenLoop, Workload, load_workload
 
 MODEL = "Llama-3.1-8B"

@@ -41,8 +41,8 @@ import yaml
 
 from conftest import REPO, free_port
 from kiloserve.bench.client import run_bench
-from kiloserve.bench.metrics import summarize
 from kiloserve.launch.process import ChildProcess
+from kiloserve.results.metrics import summarize
 from kiloserve.workload import OpenLoop, load_workload
 
 HAPROXY = shutil.which("haproxy") or "/usr/sbin/haproxy"

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from kiloserve.bench.client import run_bench
-from kiloserve.bench.metrics import summarize
 from kiloserve.launch.cluster import LocalCluster
 from kiloserve.launch.config import ClusterConfig, parse_cluster_config
+from kiloserve.results.metrics import summarize
 from kiloserve.sim import simulate
 from kiloserve.workload import OpenLoop, Workload, load_workload
 

@@ -7,11 +7,11 @@ import math
 import orjson
 import pytest
 
-from kiloserve.bench.metrics import is_good, latency_stats, parse_slo, summarize
-from kiloserve.bench.records import BenchResult, ClientStats, RequestRecord
 from kiloserve.bench.stream import StreamState
 from kiloserve.bench.sweep import find_knee, parse_sweep
 from kiloserve.errors import ConfigError
+from kiloserve.results.metrics import is_good, latency_stats, parse_slo, summarize
+from kiloserve.results.records import BenchResult, ClientStats, RequestRecord
 
 
 def _chunk(text: str) -> bytes:

@@ -7,7 +7,6 @@ from aiohttp.test_utils import make_mocked_request
 
 from kiloserve.errors import ConfigError
 from kiloserve.gateway.app import create_gateway_app
-from kiloserve.gateway.backends import BackendTable
 from kiloserve.gateway.config import parse_gateway_config
 from kiloserve.gateway.dashboard import health_of
 from kiloserve.gateway.dashboard_state import (
@@ -18,6 +17,7 @@ from kiloserve.gateway.dashboard_state import (
     percentile,
 )
 from kiloserve.policies.base import Decision, Outcome, RequestInfo
+from kiloserve.routing.table import BackendTable
 
 
 def _info(i: int) -> RequestInfo:

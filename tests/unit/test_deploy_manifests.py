@@ -32,9 +32,9 @@ from conftest import REPO
 from kiloserve import __version__
 from kiloserve.engine.metrics import EngineStats, TwinMetrics
 from kiloserve.gateway.admin import config_hash
-from kiloserve.gateway.backends import BackendTable
 from kiloserve.gateway.config import parse_gateway_config
 from kiloserve.gateway.metrics import GatewayMetrics
+from kiloserve.routing.table import BackendTable
 
 DEPLOY = REPO / "deploy"
 PROM = DEPLOY / "prometheus"

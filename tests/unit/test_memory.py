@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kiloserve.catalog import GIB, get_gpu, get_model
+from kiloserve.catalog.memory import FitSuggestion, plan_memory, smallest_fitting
 from kiloserve.errors import ConfigError, DoesNotFitError
-from kiloserve.plan.memory import FitSuggestion, plan_memory, smallest_fitting
 
 
 def test_llama_8b_on_h100_kv_capacity() -> None:

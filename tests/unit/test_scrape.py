@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kiloserve.gateway.backends import BackendTable
 from kiloserve.gateway.config import parse_gateway_config
-from kiloserve.gateway.scrape import EngineMetrics, parse_engine_metrics
+from kiloserve.routing.engine_metrics import EngineMetrics, parse_engine_metrics
+from kiloserve.routing.table import BackendTable
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "metrics"
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kiloserve.bench.metrics import Slo, latency_stats
-from kiloserve.bench.records import RequestRecord
+from kiloserve.results.metrics import Slo, latency_stats
+from kiloserve.results.records import RequestRecord
 from kiloserve.sim.results import ItlHistogram, MetricsCollector, TimeSeries
 
 BENCH_KEYS = {

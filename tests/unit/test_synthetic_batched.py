@@ -86,8 +86,8 @@ def test_workload_digest_equals_the_line_by_line_reference() -> None:
     import hashlib
     import zlib
 
-    from kiloserve.bench.stream import DIGEST_BATCH, WorkloadDigest
     from kiloserve.workload import load_workload
+    from kiloserve.workload.digest import DIGEST_BATCH, WorkloadDigest
 
     def reference(specs: list[RequestSpec]) -> str:
         h = hashlib.sha256()

@@ -24,12 +24,12 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from kiloserve.bench.client import ENDPOINTS, ClientOptions, ProgressCounts, run_bench
-from kiloserve.bench.metrics import Slo, parse_slo, summarize
-from kiloserve.bench.records import BenchResult
-from kiloserve.bench.report import write_report
 from kiloserve.bench.sweep import parse_sweep, run_sweep, write_sweep
-from kiloserve.bench.tables import fmt
 from kiloserve.errors import ConfigError
+from kiloserve.results.metrics import Slo, parse_slo, summarize
+from kiloserve.results.records import BenchResult
+from kiloserve.results.report import write_report
+from kiloserve.results.tables import fmt
 from kiloserve.workload import (
     ArrivalMode,
     ClosedLoop,

@@ -29,10 +29,11 @@ import aiohttp
 import orjson
 
 from kiloserve.bench.lag import LagMonitor
-from kiloserve.bench.records import BenchResult, RequestRecord
-from kiloserve.bench.stream import StreamState, WorkloadDigest
+from kiloserve.bench.stream import StreamState
 from kiloserve.errors import ConfigError
+from kiloserve.results.records import BenchResult, RequestRecord
 from kiloserve.workload import ArrivalMode, ClosedLoop, RequestSpec, Workload
+from kiloserve.workload.digest import WorkloadDigest
 
 __all__ = ["ENDPOINTS", "ClientOptions", "ProgressCounts", "run_bench"]
 

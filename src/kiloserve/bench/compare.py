@@ -21,12 +21,12 @@ from typing import Any
 from rich.console import Console
 
 from kiloserve.bench.client import ENDPOINTS, ClientOptions, run_bench
-from kiloserve.bench.metrics import Slo, parse_slo, summarize
-from kiloserve.bench.records import RequestRecord
-from kiloserve.bench.report import write_comparison, write_report
 from kiloserve.errors import ConfigError
 from kiloserve.launch.cluster import LocalCluster
 from kiloserve.launch.config import ClusterConfig, load_cluster_config
+from kiloserve.results.metrics import Slo, parse_slo, summarize
+from kiloserve.results.records import RequestRecord
+from kiloserve.results.report import write_comparison, write_report
 from kiloserve.workload import ArrivalMode, ClosedLoop, OpenLoop, Workload, load_workload
 
 __all__ = ["CompareRun", "add_arguments", "compare_policies", "default_model", "run"]

@@ -15,7 +15,7 @@ from types import TracebackType
 
 import numpy as np
 
-from kiloserve.bench.records import ClientStats
+from kiloserve.results.records import ClientStats
 
 __all__ = ["LagMonitor"]
 

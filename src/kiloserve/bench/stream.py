@@ -1,4 +1,4 @@
-"""Parsing one OpenAI SSE stream as bytes arrive, and a digest of the sent workload.
+"""Parsing one OpenAI SSE stream as bytes arrive.
 
 ``StreamState.feed(data, now)`` takes whatever one socket read returned and the time it
 returned; events split across reads are reassembled. Only ``data:`` lines matter:
@@ -9,15 +9,11 @@ chunk, and a ``usage`` object gives the exact output token count.
 
 from __future__ import annotations
 
-import hashlib
-import zlib
-
 import orjson
 
-from kiloserve.bench.records import RequestRecord
-from kiloserve.workload import RequestSpec
+from kiloserve.results.records import RequestRecord
 
-__all__ = ["StreamState", "WorkloadDigest"]
+__all__ = ["StreamState"]
 
 
 class StreamState:
@@ -114,36 +110,3 @@ class StreamState:
     def _fail(self, message: str) -> None:
         self.error = message
         self.is_done = True
-
-
-DIGEST_BATCH = 512
-
-
-class WorkloadDigest:
-    """SHA-256 over the sent sequence (ids, arrival times, lengths, prompt CRCs).
-
-    Two runs with equal digests sent identical requests in the same order.
-    """
-
-    def __init__(self) -> None:
-        self._hash = hashlib.sha256()
-        self._lines: list[str] = []  # hashed in batches: the same bytes, fewer calls
-
-    def add(self, spec: RequestSpec) -> None:
-        prompt = spec.prompt
-        crc = zlib.crc32(prompt.encode()) if prompt else 0  # crc32(b"") == 0
-        # plain str/int fields only: mypyc builds such f-strings without str.format
-        arrival = repr(spec.arrival_s)
-        self._lines.append(
-            f"{spec.request_id}|{arrival}|{spec.input_tokens}|{spec.output_tokens}|{crc}\n"
-        )
-        if len(self._lines) >= DIGEST_BATCH:
-            self._flush()
-
-    def _flush(self) -> None:
-        self._hash.update("".join(self._lines).encode())
-        self._lines.clear()
-
-    def hexdigest(self) -> str:
-        self._flush()
-        return self._hash.hexdigest()

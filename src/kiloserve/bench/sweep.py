@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kiloserve.bench import plots
 from kiloserve.bench.client import ClientOptions, ProgressHook, run_bench
-from kiloserve.bench.metrics import SCHEMA_VERSION, Slo, summarize
-from kiloserve.bench.report import write_json, write_report
-from kiloserve.bench.tables import fmt
 from kiloserve.errors import ConfigError
+from kiloserve.results import plots
+from kiloserve.results.metrics import SCHEMA_VERSION, Slo, summarize
+from kiloserve.results.report import write_json, write_report
+from kiloserve.results.tables import fmt
 from kiloserve.workload import ClosedLoop, OpenLoop, Workload
 
 __all__ = [

@@ -23,6 +23,7 @@ import yaml
 
 from kiloserve.catalog.specs import GpuSpec, ModelSpec, normalize_name
 from kiloserve.errors import CatalogError
+from kiloserve.validation import unknown_keys_message
 
 __all__ = [
     "estimate_num_params",
@@ -51,9 +52,7 @@ def _spec_from_mapping(cls: type[SpecT], raw: Mapping[str, Any], origin: str) ->
     names, required = _field_kinds(cls)
     unknown = sorted(set(raw) - names)
     if unknown:
-        raise CatalogError(
-            f"{origin}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(names))}"
-        )
+        raise CatalogError(f"{origin}: {unknown_keys_message(unknown, sorted(names))}")
     missing = sorted(required - set(raw))
     if missing:
         raise CatalogError(f"{origin}: missing key(s) {', '.join(missing)}")

@@ -7,8 +7,8 @@ per-GPU defaults give ``max_num_seqs`` / ``max_num_batched_tokens`` unless overr
 from __future__ import annotations
 
 from kiloserve.catalog import GpuSpec, ModelSpec
+from kiloserve.catalog.memory import MemoryLedger, plan_memory
 from kiloserve.engine.config import EngineConfig
-from kiloserve.plan.memory import MemoryLedger, plan_memory
 
 __all__ = ["engine_config_for"]
 

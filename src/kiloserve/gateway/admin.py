@@ -26,8 +26,8 @@ from aiohttp import web
 
 from kiloserve import __version__
 from kiloserve.errors import NotFoundError
-from kiloserve.gateway.backends import BackendTable
 from kiloserve.gateway.config import GatewayConfig
+from kiloserve.routing.table import BackendTable
 
 __all__ = ["add_admin_routes", "config_hash", "deployment_record", "is_loopback"]
 

@@ -25,7 +25,6 @@ from aiohttp import web
 
 from kiloserve.errors import ConfigError, NotFoundError, PayloadTooLargeError, RequestError
 from kiloserve.gateway.admin import add_admin_routes, config_hash
-from kiloserve.gateway.backends import BackendTable
 from kiloserve.gateway.config import GatewayConfig
 from kiloserve.gateway.dashboard import add_dashboard_routes
 from kiloserve.gateway.dashboard_state import DashboardRecorder
@@ -38,6 +37,8 @@ from kiloserve.gateway.resilience import Resilience
 from kiloserve.gateway.scrape import scrape_loop
 from kiloserve.gateway.upstream import UpstreamPool
 from kiloserve.policies.base import Decision, Policy, RequestInfo
+from kiloserve.routing.router import Router
+from kiloserve.routing.table import BackendTable
 
 __all__ = ["CTX_KEY", "METRICS_KEY", "TABLE_KEY", "create_gateway_app", "create_policy_for"]
 
@@ -128,21 +129,6 @@ def _check_model(model: str, table: BackendTable) -> None:
         )
 
 
-def _decide(ctx: ProxyContext, info: RequestInfo, resilience: Resilience) -> tuple[str, ...]:
-    """The policy's ranked backends, restricted to the model's routable pool (plus a
-    half-open backend's circuit-breaker trial first, see resilience.py)."""
-    decision: Decision = ctx.policy.choose(info, ctx.table.snapshot(time.monotonic()), ctx.rng)
-    table = ctx.table
-    pool = table.pool_ids(info.model)
-    ranked = tuple(b for b in decision.ranked if b in pool and table.is_routable(b))
-    ranked = resilience.admit(ranked, pool)
-    if ranked:
-        ctx.metrics.decision(decision.policy, ranked[0])
-        if ctx.dashboard is not None:
-            ctx.dashboard.note_decision(time.time(), info, decision, ranked)
-    return ranked
-
-
 def _unavailable(message: str, code: str, request_id: str) -> web.Response:
     exc = RequestError(message, code=code)
     exc.status = 503
@@ -166,8 +152,8 @@ async def _proxy(request: web.Request, path: str) -> web.StreamResponse:
         ctx.metrics.request_done("", "", exc.status)
         return _error(exc, rid)
 
-    def dispatch(preferred: str | None) -> Awaitable[web.StreamResponse]:
-        return _dispatch(request, path, body, raw, info, preferred)
+    def dispatch(decision: Decision | None) -> Awaitable[web.StreamResponse]:
+        return _dispatch(request, path, body, raw, info, decision)
 
     if flow is not None:
         return await flow.guard(info, key, dispatch)
@@ -180,22 +166,21 @@ async def _dispatch(
     body: dict[str, Any],
     raw: bytes,
     info: RequestInfo,
-    preferred: str | None,
+    decision: Decision | None,
 ) -> web.StreamResponse:
-    """Decide and forward; ``preferred`` (the backend admission reserved) goes first."""
+    """Forward along ``decision`` (admission's, with its reserved backend first), or
+    along the router's decision when admission is off: one ``choose`` either way."""
     ctx = request.app[CTX_KEY]
     rid = info.request_id
     if ctx.num_in_flight >= ctx.cfg.max_in_flight:
         ctx.metrics.request_done(info.model, "", 503)
         return _unavailable("the gateway is at its in-flight limit; retry later", "overloaded", rid)
-    ranked = _decide(ctx, info, request.app[RESILIENCE_KEY])
-    if preferred in ranked:
-        ranked = (preferred, *(b for b in ranked if b != preferred))
-    if not ranked:
+    if decision is None:
+        decision = ctx.router.decide(info, time.monotonic())
+    if not decision.ranked:
         ctx.metrics.request_done(info.model, "", 503)
         message = f"no healthy backend for model `{info.model}`; retry later"
         return _unavailable(message, "no_backend", rid)
-    decision = Decision(ranked=ranked, policy=ctx.policy.name)
     ctx.num_in_flight += 1
     try:
         return await forward(ctx, request, path, body, raw, info, decision)
@@ -281,7 +266,9 @@ async def _on_startup(app: web.Application) -> None:
     registry_task = start_registry(cfg, ctx.table, ctx.metrics)
     if registry_task is not None:
         tasks.append(registry_task)
-    logger.info("gateway policy=%s backends=%d", ctx.policy.name, len(ctx.table.backend_ids()))
+    logger.info(
+        "gateway policy=%s backends=%d", ctx.router.policy_name, len(ctx.table.backend_ids())
+    )
 
 
 async def _on_cleanup(app: web.Application) -> None:
@@ -303,14 +290,17 @@ def create_gateway_app(cfg: GatewayConfig, *, policy: Policy | None = None) -> w
     table = BackendTable(cfg)
     gw_metrics = GatewayMetrics(table, config_hash=config_hash(cfg))
     chosen = policy if policy is not None else create_policy_for(cfg)
+    router = Router(table, chosen, random.Random(cfg.seed))
+    router.decision_listeners.append(
+        lambda _info, decision, ranked: gw_metrics.decision(decision.policy, ranked[0])
+    )
     ctx = ProxyContext(
         cfg=cfg,
         upstream=UpstreamPool(cfg.connect_timeout_s, cfg.max_idle_connections),
         table=table,
         metrics=gw_metrics,
-        policy=chosen,
+        router=router,
         profiler=Profiler(cfg),
-        rng=random.Random(cfg.seed),
         dashboard=DashboardRecorder(cfg.dashboard) if cfg.dashboard.enabled else None,
     )
     app = web.Application(client_max_size=cfg.max_body_bytes)
@@ -319,7 +309,7 @@ def create_gateway_app(cfg: GatewayConfig, *, policy: Policy | None = None) -> w
     app[METRICS_KEY] = gw_metrics
     app[_TASKS_KEY] = []
     app[_IDS_KEY] = _RequestIds()
-    app[RESILIENCE_KEY] = Resilience(cfg, table, gw_metrics)
+    app[RESILIENCE_KEY] = Resilience(cfg, router, gw_metrics)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)

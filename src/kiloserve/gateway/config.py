@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
-from urllib.parse import urlsplit
+from typing import Any
 
 import yaml
 from pydantic import (
@@ -17,7 +16,6 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
-    field_validator,
     model_validator,
 )
 
@@ -30,7 +28,8 @@ from kiloserve.gateway.health import HealthConfig
 from kiloserve.gateway.outlier import OutlierConfig
 from kiloserve.gateway.ratelimit import RateLimitConfig
 from kiloserve.gateway.registry.settings import RegistryConfig
-from kiloserve.validation import model_at
+from kiloserve.routing.config import BackendConfig
+from kiloserve.validation import model_at, unknown_keys_message
 
 __all__ = [
     "ADMIN_TOKEN_ENV",
@@ -43,7 +42,6 @@ __all__ = [
 ]
 
 ADMIN_TOKEN_ENV = "KILOSERVE_ADMIN_TOKEN"
-EngineKind = Literal["vllm", "sglang", "llamacpp", "tgi", "auto"]
 
 
 class _Strict(BaseModel):
@@ -61,36 +59,6 @@ class ModelConfig(_Strict):
     """Per-model settings: an optional HuggingFace ``tokenizer.json`` path."""
 
     tokenizer: str | None = None
-
-
-class BackendConfig(_Strict):
-    """One engine instance. ``models`` empty means: discover from ``/v1/models``."""
-
-    url: str
-    name: str | None = None
-    models: list[str] = Field(default_factory=list)
-    gpu: str = ""
-    group: str = ""
-    version: str = ""
-    cost_per_hour: float = Field(default=0.0, ge=0.0)
-    weight: float = Field(default=1.0, ge=0.0)
-    engine: EngineKind = "auto"
-    kv_capacity_tokens: int | None = Field(default=None, ge=1)  # admission budget (admission.md)
-
-    @field_validator("url")
-    @classmethod
-    def _plain_http(cls, url: str) -> str:
-        parts = urlsplit(url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(
-                f"must be an http://host:port URL (https is not supported), got {url!r}"
-            )
-        return url
-
-    @property
-    def backend_id(self) -> str:
-        """The configured name, else the URL (also the ``x-kiloserve-backend`` value)."""
-        return self.name or self.url.rstrip("/")
 
 
 class GatewayConfig(_Strict):
@@ -165,8 +133,7 @@ def _explain(exc: ValidationError, source: str) -> ConfigError:
         loc = tuple(err["loc"])
         where = ".".join(str(p) for p in loc) or "(top level)"
         if err["type"] == "extra_forbidden":
-            valid = ", ".join(_valid_keys(_model_at(loc)))
-            lines.append(f"unknown key '{where}' (valid keys: {valid})")
+            lines.append(unknown_keys_message([where], _valid_keys(_model_at(loc))))
         else:
             lines.append(f"'{where}': {err['msg']}")
     return ConfigError(f"{source}: " + "; ".join(lines))

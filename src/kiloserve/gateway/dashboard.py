@@ -26,11 +26,11 @@ from aiohttp import web
 
 from kiloserve import __version__
 from kiloserve.gateway.admin import config_hash, is_loopback
-from kiloserve.gateway.backends import BackendRecord
 from kiloserve.gateway.dashboard_state import DashboardRecorder, RateCounts
 from kiloserve.gateway.metrics import GatewayMetrics
 from kiloserve.gateway.proxy import ProxyContext
-from kiloserve.policies.base import Outcome
+from kiloserve.policies.base import Decision, Outcome, RequestInfo
+from kiloserve.routing.table import BackendRecord
 
 __all__ = [
     "STATIC_FILES",
@@ -249,7 +249,7 @@ def build_state(
         "gateway": {
             "version": __version__,
             "config_hash": cfg_hash or config_hash(ctx.cfg),
-            "policy": ctx.policy.name,
+            "policy": ctx.router.policy_name,
             "uptime_s": round(now_s - started_s, 1),
             "refresh_interval_ms": recorder.cfg.refresh_interval_ms,
             "window_s": recorder.cfg.window_s,
@@ -290,10 +290,14 @@ def add_dashboard_routes(
     if recorder is None:
         return
 
-    def on_complete(backend_id: str, outcome: Outcome) -> None:
+    def on_decision(info: RequestInfo, decision: Decision, ranked: tuple[str, ...]) -> None:
+        recorder.note_decision(time.time(), info, decision, ranked)
+
+    def on_complete(backend_id: str, _info: RequestInfo, outcome: Outcome) -> None:
         recorder.note_outcome(backend_id, time.monotonic(), outcome)
 
-    ctx.table.completion_listeners.append(on_complete)
+    ctx.router.decision_listeners.append(on_decision)
+    ctx.router.completion_listeners.append(on_complete)
     allow_remote = recorder.cfg.allow_remote
     html = _static_bytes("dashboard.html")
     assets = {name: (_static_bytes(name), ctype) for name, ctype in STATIC_FILES.items()}

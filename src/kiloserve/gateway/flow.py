@@ -2,7 +2,9 @@
 
 A request asks ``admit``; when its pool's queue is empty and a backend has room
 (``capacity.has_room`` with the gateway's own reservations) it goes at once to the
-best backend with room in the policy's ranking. Otherwise it waits in the pool's
+best backend with room in the router's decision (``Router.decide``, asked once, when
+the request is placed: the proxy forwards along that same ranking, with the reserved
+backend first and the rest after it as fallbacks). Otherwise it waits in the pool's
 ``PoolQueue`` until ``pump`` releases it: on every completion and every ``tick_s``
 (a ticker task that also expires waiters past their deadline with a 503). A full
 lane is a 429 with ``Retry-After``. ``done`` returns a request's reservation.
@@ -12,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,9 +31,10 @@ from kiloserve.gateway.admission import (
     lane_of,
 )
 from kiloserve.gateway.auth import TooManyRequestsError, UnavailableError
-from kiloserve.gateway.backends import BackendTable
 from kiloserve.gateway.capacity import has_room, memory_need_tokens
-from kiloserve.policies.base import Policy, RequestInfo
+from kiloserve.policies.base import RequestInfo
+from kiloserve.routing.router import Router
+from kiloserve.routing.table import BackendTable
 
 __all__ = ["Admission", "AdmissionController", "AdmissionMetrics"]
 
@@ -45,7 +47,7 @@ WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0
 class Admission:
     """A granted request: where it goes and what it reserved there."""
 
-    ranked: tuple[str, ...]
+    ranked: tuple[str, ...]  # what the proxy forwards along: backend_id first
     backend_id: str
     need_tokens: int
     waited_s: float = 0.0
@@ -101,13 +103,10 @@ class AdmissionMetrics(Collector):
 class AdmissionController:
     """Admission for every model pool of one gateway app."""
 
-    def __init__(
-        self, cfg: AdmissionConfig, table: BackendTable, policy: Policy, rng: random.Random
-    ) -> None:
+    def __init__(self, cfg: AdmissionConfig, router: Router) -> None:
         self.cfg = cfg
-        self.table = table
-        self.policy = policy
-        self.rng = rng
+        self.router = router
+        self.table: BackendTable = router.table
         self.queues: dict[str, PoolQueue] = {}
         self.reserved_tokens: dict[str, int] = {}
         self.num_in_flight: dict[str, int] = {}
@@ -139,13 +138,11 @@ class AdmissionController:
         roomy = self._roomy(info.model, need_tokens, is_short)
         if not roomy:
             return None
-        snap = self.table.snapshot(time.monotonic())
-        ranked = self.policy.choose(info, snap, self.rng).ranked
-        pool = self.table.pool_ids(info.model)
+        ranked = self.router.decide(info, time.monotonic()).ranked  # routable, in the pool
         ordered = [b for b in ranked if b in roomy]
         if not ordered:
             ordered = sorted(roomy)  # the policy ranked none of them (e.g. it filters)
-        rest = [b for b in ranked if b not in roomy and b in pool and self.table.is_routable(b)]
+        rest = [b for b in ranked if b not in roomy]
         bid = ordered[0]
         self.reserved_tokens[bid] = self.reserved_tokens.get(bid, 0) + need_tokens
         self.num_in_flight[bid] = self.num_in_flight.get(bid, 0) + 1

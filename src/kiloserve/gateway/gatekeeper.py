@@ -7,9 +7,9 @@
 Per request, in order: the API key (401 unknown, 403 model not allowed; before the body
 is read), input limits (400 naming the limit), rate limits (429 + ``Retry-After``), the
 admission queue (429 full, 503 waited too long), then the app's usual decide + forward
-(``dispatch``) with the admitted backend ranked first. At completion the
-admission reservation is returned and the key's token bucket is reconciled with the
-tokens actually used (prompt + completion).
+(``dispatch``) along admission's decision, the admitted backend first (the router is
+asked once per request). At completion the admission reservation is returned and the
+key's token bucket is reconciled with the tokens actually used (prompt + completion).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
 from collections.abc import Awaitable, Callable, Mapping
 
@@ -36,13 +35,12 @@ from kiloserve.gateway.config import GatewayConfig
 from kiloserve.gateway.flow import AdmissionController
 from kiloserve.gateway.proxy import REQUEST_ID_HEADER, ProxyContext
 from kiloserve.gateway.ratelimit import Quota, RateLimiter, create_limiter, retry_after_header
-from kiloserve.policies.base import ClusterSnapshot, Decision, Outcome, Policy, RequestInfo
+from kiloserve.policies.base import Decision, Outcome, RequestInfo
 
 __all__ = [
     "FLOW_KEY",
     "Dispatch",
     "FlowControl",
-    "UsageTap",
     "check_input_limits",
     "install_flow_control",
     "is_flow_configured",
@@ -51,28 +49,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 _MAX_PRIORITY = 9
 Response = web.StreamResponse
-Dispatch = Callable[[str | None], Awaitable[web.StreamResponse]]
-
-
-class UsageTap:
-    """Wraps a policy to learn each request's output tokens from ``on_complete``."""
-
-    def __init__(self, inner: Policy) -> None:
-        self.inner = inner
-        self.name = inner.name
-        self.output_tokens: dict[str, int] = {}
-
-    def choose(
-        self, request: RequestInfo, snapshot: ClusterSnapshot, rng: random.Random
-    ) -> Decision:
-        return self.inner.choose(request, snapshot, rng)
-
-    def on_dispatch(self, request: RequestInfo, backend_id: str) -> None:
-        self.inner.on_dispatch(request, backend_id)
-
-    def on_complete(self, request: RequestInfo, backend_id: str, outcome: Outcome) -> None:
-        self.output_tokens[request.request_id] = outcome.output_tokens
-        self.inner.on_complete(request, backend_id, outcome)
+Dispatch = Callable[[Decision | None], Awaitable[web.StreamResponse]]
 
 
 def is_flow_configured(cfg: GatewayConfig) -> bool:
@@ -133,12 +110,15 @@ class FlowControl:
         self.keys = KeyStore(cfg.auth, cfg.effective_admin_token())
         has_quota = any(k.max_requests_per_min or k.max_tokens_per_min for k in cfg.auth.keys)
         self.limiter: RateLimiter | None = create_limiter(cfg.rate_limit) if has_quota else None
-        self.tap = UsageTap(ctx.policy)
-        ctx.policy = self.tap
+        self.output_tokens: dict[str, int] = {}  # request id -> last attempt's output
+        ctx.router.completion_listeners.append(self._note_usage)
         self.admission: AdmissionController | None = None
         if cfg.admission.enabled:
-            self.admission = AdmissionController(cfg.admission, ctx.table, self.tap, ctx.rng)
+            self.admission = AdmissionController(cfg.admission, ctx.router)
         self._tasks: list[asyncio.Task[None]] = []
+
+    def _note_usage(self, _backend_id: str, info: RequestInfo, outcome: Outcome) -> None:
+        self.output_tokens[info.request_id] = outcome.output_tokens
 
     # -- before the body is read -----------------------------------------------------
     def authenticate(self, headers: Mapping[str, str]) -> ApiKey | None:
@@ -158,7 +138,7 @@ class FlowControl:
         return info.with_admission(prio, key.name)
 
     async def guard(self, info: RequestInfo, key: ApiKey | None, dispatch: Dispatch) -> Response:
-        """Rate limit and admit ``info``, then ``dispatch(preferred_backend)``; reconcile."""
+        """Rate limit and admit ``info``, then ``dispatch(admission's decision)``; reconcile."""
         rid = info.request_id
         quota, reserved = self._quota(key), self._reserve_tokens(info)
         if quota is not None and self.limiter is not None:
@@ -193,7 +173,7 @@ class FlowControl:
         return info.input_tokens + output
 
     async def _reconcile(self, quota: Quota | None, info: RequestInfo, reserved: int) -> None:
-        output = self.tap.output_tokens.pop(info.request_id, None)
+        output = self.output_tokens.pop(info.request_id, None)
         if quota is None or self.limiter is None or output is None:
             return
         delta = reserved - (info.input_tokens + output)
@@ -212,7 +192,7 @@ class FlowControl:
             return _error(exc, info.request_id, str(self.cfg.admission.retry_after_s))
         try:
             self.admission.dispatched(adm)  # forward counts it on the backend before any await
-            return await dispatch(adm.backend_id)
+            return await dispatch(Decision(adm.ranked, self.ctx.router.policy_name))
         finally:
             self.admission.done(adm)
 

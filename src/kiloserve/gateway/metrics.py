@@ -22,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from kiloserve import __version__
-from kiloserve.gateway.backends import BackendTable
+from kiloserve.routing.table import BackendTable
 
 __all__ = ["CONTENT_TYPE", "GatewayMetrics"]
 

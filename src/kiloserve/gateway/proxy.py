@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,14 +18,15 @@ import orjson
 from aiohttp import web
 
 from kiloserve.errors import BackendError
-from kiloserve.gateway.backends import BackendTable
 from kiloserve.gateway.config import GatewayConfig
 from kiloserve.gateway.dashboard_state import DashboardRecorder
 from kiloserve.gateway.metrics import GatewayMetrics
 from kiloserve.gateway.profile import Profiler
 from kiloserve.gateway.sse import SseRelay
 from kiloserve.gateway.upstream import UpstreamPool, UpstreamResponse
-from kiloserve.policies.base import Decision, Outcome, Policy, RequestInfo
+from kiloserve.policies.base import Decision, RequestInfo
+from kiloserve.routing.router import Router
+from kiloserve.routing.table import BackendTable
 
 __all__ = ["BACKEND_HEADER", "REQUEST_ID_HEADER", "ProxyContext", "forward"]
 
@@ -46,9 +46,8 @@ class ProxyContext:
     upstream: UpstreamPool
     table: BackendTable
     metrics: GatewayMetrics
-    policy: Policy
+    router: Router  # decide once, dispatch, first token, complete (routing/router.py)
     profiler: Profiler
-    rng: random.Random
     num_in_flight: int = 0
     dashboard: DashboardRecorder | None = None  # live dashboard ring buffers (dashboard.py)
 
@@ -132,28 +131,22 @@ class _Attempt:
         self.output_tokens = 0
 
     def dispatch(self) -> None:
-        self.ctx.table.on_dispatch(self.backend_id, self.call.info)
-        self.ctx.policy.on_dispatch(self.call.info, self.backend_id)
+        self.ctx.router.dispatch(self.backend_id, self.call.info)
 
     def mark_first_token(self, now: float) -> None:
         self.first_token_at = now
         ttft_s = now - self.started
-        self.ctx.table.on_first_token(self.backend_id, self.call.info, ttft_s * 1000.0)
+        self.ctx.router.first_token(self.backend_id, self.call.info, ttft_s * 1000.0)
         self.ctx.metrics.observe_ttft(self.backend_id, ttft_s)
 
     def finish(self, ok: bool, status: int) -> None:
         ctx, info, bid = self.ctx, self.call.info, self.backend_id
         now = self.loop.time()
-        ttft_ms = tpot_ms = None
-        if self.first_token_at is not None:
-            ttft_ms = (self.first_token_at - self.started) * 1000.0
-            if self.output_tokens > 1:
-                tpot_s = (self.last_chunk_at - self.first_token_at) / (self.output_tokens - 1)
-                tpot_ms = tpot_s * 1000.0
-        outcome = Outcome(ok, status, ttft_ms, tpot_ms, self.output_tokens)
-        had_first = self.first_token_at is not None
-        ctx.table.on_complete(bid, info, outcome, had_first_token=had_first)
-        ctx.policy.on_complete(info, bid, outcome)
+        ctx.router.complete(
+            bid, info, ok=ok, status=status, started_s=self.started,
+            first_token_s=self.first_token_at, last_token_s=self.last_chunk_at,
+            output_tokens=self.output_tokens,
+        )  # fmt: skip
         ctx.metrics.request_done(info.model, bid, status)
         if ok:
             ctx.metrics.observe_e2e(bid, now - self.started)

@@ -8,10 +8,10 @@ into the live ``BackendTable``:
   unhealthy while any veto holds, whatever its scrapes say;
 * demotion sets ``effective_weight`` = base x weight factor, which every policy reads.
 
-It listens to every first token and finished attempt (``table.first_token_listeners``,
-``table.completion_listeners``), runs a tick
-every ``_TICK_S`` (expired ejections turn half-open, demotion re-judged) and, through
-``admit``, puts a half-open backend first in one request's ranked list: that request
+It listens to every first token and finished attempt (the ``Router``'s
+``first_token_listeners`` and ``completion_listeners``), runs a tick every ``_TICK_S`` (expired
+ejections turn half-open, demotion re-judged) and, through ``admit`` (the router's
+admit hook), puts a half-open backend first in one request's ranked list: that request
 is its circuit-breaker trial, and if it fails the gateway's retry sends it on to the
 next backend before any byte reached the client.
 """
@@ -30,13 +30,14 @@ import aiohttp
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kiloserve.gateway.backends import BackendTable
 from kiloserve.gateway.config import GatewayConfig
 from kiloserve.gateway.demotion import SlowNodeDemoter
 from kiloserve.gateway.health import Prober, ProbeTracker
 from kiloserve.gateway.metrics import PREFIX, GatewayMetrics
 from kiloserve.gateway.outlier import OutlierDetector
-from kiloserve.policies.base import Outcome
+from kiloserve.policies.base import Outcome, RequestInfo
+from kiloserve.routing.router import Router
+from kiloserve.routing.table import BackendTable
 
 __all__ = ["EJECT_VETO", "PROBE_VETO", "Resilience"]
 
@@ -50,9 +51,9 @@ _TICK_S = 0.1
 class Resilience:
     """Health probes, outlier ejection and demotion for one gateway app."""
 
-    def __init__(self, cfg: GatewayConfig, table: BackendTable, metrics: GatewayMetrics) -> None:
+    def __init__(self, cfg: GatewayConfig, router: Router, metrics: GatewayMetrics) -> None:
         self.cfg = cfg
-        self.table = table
+        self.table: BackendTable = router.table
         self.outlier = OutlierDetector(cfg.outlier)
         self.demoter = SlowNodeDemoter(cfg.demotion)
         self.probes = ProbeTracker(cfg.health)
@@ -63,12 +64,13 @@ class Resilience:
         self._base_weight: dict[str, float] = {}
         self._prober: Prober | None = None
         self._task: asyncio.Task[None] | None = None
-        table.completion_listeners.append(self.on_complete)
-        table.first_token_listeners.append(self.on_first_token)
+        router.admit = self.admit
+        router.completion_listeners.append(self.on_complete)
+        router.first_token_listeners.append(self.on_first_token)
         metrics.registry.register(_ResilienceCollector(self))
 
     # -- traffic -------------------------------------------------------------------
-    def on_complete(self, backend_id: str, outcome: Outcome) -> None:
+    def on_complete(self, backend_id: str, info: RequestInfo, outcome: Outcome) -> None:
         now_s = time.monotonic()
         pool = self._pool_of(backend_id)
         if self.outlier.on_result(backend_id, outcome.status, now_s, pool):
@@ -79,7 +81,7 @@ class Resilience:
         if outcome.ok:
             self.demoter.observe(backend_id, now_s, None, outcome.tpot_ms)
 
-    def on_first_token(self, backend_id: str, ttft_ms: float) -> None:
+    def on_first_token(self, backend_id: str, info: RequestInfo, ttft_ms: float) -> None:
         """TTFT samples count at the first token: a slow node shows before it finishes."""
         self.demoter.observe(backend_id, time.monotonic(), ttft_ms, None)
 

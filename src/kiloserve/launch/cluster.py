@@ -60,7 +60,7 @@ class BackendInfo:
 
 def describe_backend(item: ExpandedBackend, url: str) -> BackendInfo:
     from kiloserve.catalog import get_gpu, get_model
-    from kiloserve.plan.memory import plan_memory
+    from kiloserve.catalog.memory import plan_memory
 
     spec = item.spec
     if spec.engine != "twin":

@@ -41,7 +41,7 @@ from pydantic import (
 )
 
 from kiloserve.errors import ConfigError
-from kiloserve.validation import model_at
+from kiloserve.validation import model_at, unknown_keys_message
 
 __all__ = [
     "BackendSpec",
@@ -163,8 +163,7 @@ def _format_error(exc: ValidationError, source: str) -> str:
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
             model = model_at(ClusterConfig, tuple(err["loc"]))
-            valid = ", ".join(sorted(model.model_fields))
-            msg = f"unknown key '{err['loc'][-1]}' (valid keys: {valid})"
+            msg = unknown_keys_message([err["loc"][-1]], sorted(model.model_fields))
         lines.append(f"  {loc}: {msg}")
     return "\n".join(lines)
 

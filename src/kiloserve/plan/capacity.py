@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kiloserve.bench.metrics import Slo
 from kiloserve.errors import ConfigError
+from kiloserve.results.metrics import SLO_UNIT_MS, Slo
 
 __all__ = [
     "DEFAULT_MAX_NUM_PROBES",
@@ -59,7 +59,6 @@ KEEP_UP_FRACTION = 0.9  # achieved / offered rate above which latency is not que
 SLO_METRICS = ("ttft", "tpot", "itl", "e2e")
 SLO_PERCENTILES = (50, 90, 95, 99)
 _SLO_PART = re.compile(r"^(ttft|tpot|itl|e2e)(?:_p(\d+))?=([0-9]*\.?[0-9]+)(us|ms|s)?$")
-_UNIT_MS = {"us": 0.001, "ms": 1.0, "s": 1000.0, None: 1.0}
 
 Probe = Callable[[float], Mapping[str, Any]]
 
@@ -112,7 +111,7 @@ def parse_percentile_slo(text: str) -> PercentileSlo:
         percentile = int(m.group(2) or 95)
         if percentile not in SLO_PERCENTILES:
             raise ConfigError(f"SLO percentile must be one of {SLO_PERCENTILES}, got {part!r}")
-        target = SloTarget(m.group(1), percentile, float(m.group(3)) * _UNIT_MS[m.group(4)])
+        target = SloTarget(m.group(1), percentile, float(m.group(3)) * SLO_UNIT_MS[m.group(4)])
         if target.key in targets:
             raise ConfigError(f"SLO {target.key!r} given twice")
         targets[target.key] = target

@@ -21,7 +21,6 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kiloserve.bench.report import write_json
 from kiloserve.catalog import get_gpu, get_model, list_gpus, normalize_name
 from kiloserve.errors import ConfigError
 from kiloserve.plan.capacity import (
@@ -50,6 +49,7 @@ from kiloserve.plan.planner import (
     rank_deployments,
 )
 from kiloserve.policies import available_policies
+from kiloserve.results.report import write_json
 from kiloserve.workload import load_workload
 
 __all__ = ["add_arguments", "run"]

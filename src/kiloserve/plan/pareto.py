@@ -32,11 +32,11 @@ from typing import Any
 
 from rich.table import Table
 
-from kiloserve.bench.tables import fmt
 from kiloserve.errors import ConfigError
 from kiloserve.launch.config import ClusterConfig, parse_cluster_config
 from kiloserve.plan.capacity import PROBE_SPAN_KEY, PercentileSlo, Probe, slo_violations
 from kiloserve.plan.planner import Deployment, cost_per_request
+from kiloserve.results.tables import fmt
 from kiloserve.sim import simulate
 from kiloserve.workload import load_workload
 
@@ -348,7 +348,7 @@ def _slo_text(is_met: object) -> str:
 
 def write_pareto(out_dir: Path, rows: Sequence[Mapping[str, Any]]) -> Path | None:
     """``pareto.png`` ($/request vs P95 TTFT, labelled by GPUs); None without matplotlib."""
-    from kiloserve.bench import plots
+    from kiloserve.results import plots
 
     if not plots.is_available() or not rows:
         return None

@@ -1,7 +1,7 @@
 """Capacity arithmetic and candidate deployments (SPEC S4.4, S4.5).
 
 * Candidates: every GPU type x TP degree (1, 2, 4, 8: inside one node) x quantisation,
-  each with its memory ledger (``kiloserve.plan.memory``) or the reason it does not fit.
+  each with its memory ledger (``kiloserve.catalog.memory``) or the reason it does not fit.
   S4.4's rule of thumb, ``min_tp_for_weights``, is shown beside: TP = ceil(weights /
   usable memory per card) rounded up to a power of two (the ledger then checks the
   activations, runtime and KV headroom that rule ignores).
@@ -26,11 +26,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from kiloserve.bench.tables import fmt
 from kiloserve.catalog import GIB, GpuSpec, ModelSpec, normalize_name
+from kiloserve.catalog.memory import MemoryLedger, build_ledger, plan_memory
 from kiloserve.errors import ConfigError, DoesNotFitError
 from kiloserve.plan.capacity import CapacityResult
-from kiloserve.plan.memory import MemoryLedger, build_ledger, plan_memory
+from kiloserve.results.tables import fmt
 
 __all__ = [
     "DEFAULT_HEADROOM",

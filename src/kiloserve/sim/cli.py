@@ -20,10 +20,10 @@ import orjson
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kiloserve.bench.metrics import Slo, parse_slo
-from kiloserve.bench.report import write_comparison
 from kiloserve.errors import ConfigError
 from kiloserve.launch.config import load_cluster_config
+from kiloserve.results.metrics import Slo, parse_slo
+from kiloserve.results.report import write_comparison
 from kiloserve.sim.faults import FaultEvent, load_faults, parse_fault
 from kiloserve.sim.report import write_sim_report
 from kiloserve.sim.run import SimResult, simulate

@@ -5,7 +5,7 @@ Each backend gets the engine config the twin builds (``engine.twin.build_twin``:
 memory ledger at ``gpu_memory_utilization`` 0.92, vLLM's ``max_num_seqs`` /
 ``max_num_batched_tokens`` for the GPU unless the YAML sets them, the model's
 ``max_model_len``), the roofline ``StepTimeModel`` and its per-request API overhead.
-The gateway table is ``kiloserve.gateway.backends.BackendTable`` fed with the same
+The gateway table is ``kiloserve.routing.table.BackendTable`` fed with the same
 gateway YAML ``kiloserve up`` writes, so the live counters, EWMAs, staleness and health
 rules are the gateway's own code.
 """
@@ -20,11 +20,11 @@ from kiloserve.catalog import get_gpu, get_model
 from kiloserve.engine.setup import engine_config_for
 from kiloserve.engine.timing import StepTimeModel
 from kiloserve.errors import ConfigError
-from kiloserve.gateway.backends import BackendRecord, BackendTable
 from kiloserve.gateway.config import GatewayConfig, parse_gateway_config
-from kiloserve.gateway.scrape import EngineMetrics
 from kiloserve.launch.cluster import BackendInfo, describe_backend, gateway_config
 from kiloserve.launch.config import BackendSpec, ClusterConfig
+from kiloserve.routing.engine_metrics import EngineMetrics
+from kiloserve.routing.table import BackendRecord, BackendTable
 from kiloserve.sim.backend import BackendModel, SimBackend
 
 __all__ = [

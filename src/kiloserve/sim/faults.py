@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from kiloserve.errors import ConfigError
+from kiloserve.validation import unknown_keys_message
 
 __all__ = ["FAULT_KINDS", "FaultEvent", "load_faults", "parse_fault", "parse_faults"]
 
@@ -65,7 +66,7 @@ def parse_fault(text: str) -> FaultEvent:
 def _from_mapping(values: Mapping[str, Any], source: str) -> FaultEvent:
     unknown = sorted(str(k) for k in values if k not in _KEYS)
     if unknown:
-        raise ConfigError(f"fault {source}: unknown keys {unknown}; valid: {', '.join(_KEYS)}")
+        raise ConfigError(f"fault {source}: {unknown_keys_message(unknown, _KEYS)}")
     if "t" not in values or "backend" not in values or "kind" not in values:
         raise ConfigError(f"fault {source}: needs t=, backend= and kind=")
     try:

@@ -1,12 +1,13 @@
-"""The simulated gateway: request profiles, the policy's decision and its bookkeeping.
+"""The simulated gateway: the live gateway's ``Router`` driven in simulated time.
 
-Mirrors ``kiloserve.gateway`` step for step: the ``RequestInfo`` is what the bench
-client's completions request profiles to (input tokens, ``max_tokens`` as the
-predicted output since the client sends it, the ``user`` as session key and tenant,
-prefix hashes over the first ``max_prefix_tokens`` tokens); the snapshot is the
-gateway's own ``BackendTable`` (scraped fields refreshed every scrape, stale between
-scrapes; in-flight and outstanding tokens updated at dispatch, first token and
-completion); hooks run in the proxy's order (table, then policy).
+Routing itself is not simulated: decisions, the pool and health filter, the hooks and
+the TTFT/TPOT ``Outcome`` are the gateway's own code (``kiloserve.routing.router``
+over a ``kiloserve.routing.table.BackendTable``). What is simulated here is only what
+has no HTTP to come from: the request profile (what the bench client's completions
+request profiles to: input tokens, ``max_tokens`` as the predicted output since the
+client sends it, the ``user`` as session key and tenant, prefix hashes over the first
+``max_prefix_tokens`` tokens), the times (simulated seconds), and the scrapes (the
+simulated engines' state copied into the table every scrape interval).
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import random
 from collections.abc import Sequence
 
 from kiloserve.errors import ConfigError
-from kiloserve.gateway.backends import BackendRecord, BackendTable
 from kiloserve.gateway.config import GatewayConfig
-from kiloserve.policies.base import BackendState, Outcome, Policy, RequestInfo
+from kiloserve.policies.base import BackendState, Policy, RequestInfo
+from kiloserve.routing.router import Router
+from kiloserve.routing.table import BackendRecord, BackendTable
 from kiloserve.sim.backend import SimBackend
 from kiloserve.sim.cluster import scrape_into
 from kiloserve.sim.request import SimRequest
@@ -63,8 +65,7 @@ class SimGateway:
     ) -> None:
         self.cfg = cfg
         self.table = BackendTable(cfg)
-        self.policy = policy
-        self.rng = random.Random(seed)
+        self.router = Router(self.table, policy, random.Random(seed))
         self.backends = backends
         self._index_of = {b.backend_id: b.index for b in backends}
         self._records = [self.table.record(b.backend_id) for b in backends]
@@ -96,46 +97,35 @@ class SimGateway:
                 model: tuple(b for b in snapshot.pool(model) if b.is_routable and b.weight > 0.0)
                 for model in table.served_models()
             }
-        decision = self.policy.choose(info, table.snapshot(now_s, self._candidates), self.rng)
-        pool = table.pool_ids(info.model)  # the gateway's own filter (app._decide),
-        ranked: list[int] = []  # stopping once the proxy's retries are covered
-        num_wanted = self.cfg.retries + 1
-        for backend_id in decision.ranked:
-            if backend_id in pool and table.is_routable(backend_id):
-                ranked.append(self._index_of[backend_id])
-                if len(ranked) == num_wanted:
-                    break
-        return tuple(ranked)
+        decision = self.router.decide(
+            info, now_s, eligible_by_model=self._candidates, limit=self.cfg.retries + 1
+        )  # the proxy tries at most retries + 1 backends
+        index_of = self._index_of
+        return tuple([index_of[backend_id] for backend_id in decision.ranked])
 
     def dispatch(self, request: SimRequest, now_s: float) -> str:
         backend_id = self.backends[request.backend_index].backend_id
         request.attempt_start_s = now_s
         request.first_token_s = None
         request.gateway_first_token_s = None
-        self.table.on_dispatch(backend_id, request.info)
-        self.policy.on_dispatch(request.info, backend_id)
+        self.router.dispatch(backend_id, request.info)
         return backend_id
 
     def first_token(self, request: SimRequest, now_s: float) -> None:
         request.gateway_first_token_s = now_s
         ttft_ms = (now_s - request.attempt_start_s) * 1000.0
         backend_id = self.backends[request.backend_index].backend_id
-        self.table.on_first_token(backend_id, request.info, ttft_ms)
+        self.router.first_token(backend_id, request.info, ttft_ms)
 
     def complete(self, request: SimRequest, status: int, now_s: float) -> None:
         """Account the end of the current attempt (``status`` 200: success)."""
         backend_id = self.backends[request.backend_index].backend_id
-        first_s = request.gateway_first_token_s
-        ttft_ms = tpot_ms = None
-        num_tokens = request.spec.output_tokens if status == 200 else 0
-        if first_s is not None:
-            ttft_ms = (first_s - request.attempt_start_s) * 1000.0
-            if num_tokens > 1:
-                tpot_ms = (now_s - first_s) / (num_tokens - 1) * 1000.0
-        outcome = Outcome(status == 200, status, ttft_ms, tpot_ms, num_tokens)
-        info = request.info
-        self.table.on_complete(backend_id, info, outcome, had_first_token=first_s is not None)
-        self.policy.on_complete(info, backend_id, outcome)
+        self.router.complete(
+            backend_id, request.info, ok=status == 200, status=status,
+            started_s=request.attempt_start_s, first_token_s=request.gateway_first_token_s,
+            last_token_s=now_s,
+            output_tokens=request.spec.output_tokens if status == 200 else 0,
+        )  # fmt: skip
 
     def scrape(self, now_s: float) -> None:
         """One scrape round over every backend, then the staleness rule.

@@ -5,7 +5,7 @@ a simulator section), ``backend_p95.png`` (up to 64 backends) and
 ``backend_timeseries.png`` (mean and max utilisation and KV usage over time). With
 records (``keep_records``) also
 ``requests.jsonl``, ``routing.csv`` and the TTFT / E2E CDF plots, through
-``bench.report.write_report``.
+``results.report.write_report``.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kiloserve.bench import plots
-from kiloserve.bench.records import BenchResult, ClientStats
-from kiloserve.bench.report import write_json, write_report
-from kiloserve.bench.tables import fmt, summary_markdown
+from kiloserve.results import plots
+from kiloserve.results.records import BenchResult, ClientStats
+from kiloserve.results.report import write_json, write_report
+from kiloserve.results.tables import fmt, summary_markdown
 from kiloserve.sim.run import SimResult
 
 __all__ = ["sim_markdown", "write_sim_report"]

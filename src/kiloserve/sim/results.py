@@ -20,8 +20,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kiloserve.bench.metrics import PERCENTILES, SCHEMA_VERSION, Slo, is_good, latency_stats
-from kiloserve.bench.records import RequestRecord
+from kiloserve.results.metrics import (
+    PERCENTILES,
+    SCHEMA_VERSION,
+    Slo,
+    is_good,
+    latency_stats,
+    p95_std_across,
+)
+from kiloserve.results.records import RequestRecord
 
 __all__ = ["ItlHistogram", "MetricsCollector", "TimeSeries", "itl_bin"]
 
@@ -286,19 +293,10 @@ class MetricsCollector:
             per_backend["unknown"] = block
         return {
             "per_backend": per_backend,
-            "p95_std_across_backends_ms": _p95_std(per_backend, "e2e_ms"),
-            "ttft_p95_std_across_backends_ms": _p95_std(per_backend, "ttft_ms"),
+            "p95_std_across_backends_ms": p95_std_across(per_backend, "e2e_ms"),
+            "ttft_p95_std_across_backends_ms": p95_std_across(per_backend, "ttft_ms"),
         }
 
 
 def _stats(values: np.ndarray) -> LatencyStats:
     return latency_stats(values.astype(np.float64))
-
-
-def _p95_std(per_backend: dict[str, dict[str, object]], key: str) -> float | None:
-    p95s = []
-    for name, block in per_backend.items():
-        stats = block[key]
-        if name != "unknown" and isinstance(stats, dict) and stats.get("p95") is not None:
-            p95s.append(float(stats["p95"]))
-    return float(np.std(p95s)) if len(p95s) >= 2 else None

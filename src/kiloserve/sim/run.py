@@ -7,15 +7,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kiloserve.bench.metrics import Slo
-from kiloserve.bench.provenance import config_hash, versions
-from kiloserve.bench.records import RequestRecord
-from kiloserve.bench.stream import WorkloadDigest
 from kiloserve.errors import ConfigError
 from kiloserve.launch.cluster import BackendInfo
 from kiloserve.launch.config import ClusterConfig
 from kiloserve.policies.base import Policy
 from kiloserve.policies.registry import create_policy
+from kiloserve.results.metrics import Slo
+from kiloserve.results.provenance import config_hash, versions
+from kiloserve.results.records import RequestRecord
 from kiloserve.sim.cluster import (
     build_backends,
     build_gateway_config,
@@ -28,6 +27,7 @@ from kiloserve.sim.prompts import PromptIds
 from kiloserve.sim.results import MetricsCollector, TimeSeries
 from kiloserve.sim.simulator import Simulator
 from kiloserve.workload import RequestSpec, Workload
+from kiloserve.workload.digest import WorkloadDigest
 
 __all__ = ["SimResult", "simulate"]
 

@@ -17,9 +17,9 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from kiloserve.bench.records import RequestRecord
 from kiloserve.engine.core import StepResult
 from kiloserve.errors import ConfigError, RequestError, some_of
+from kiloserve.results.records import RequestRecord
 from kiloserve.sim.backend import SimBackend
 from kiloserve.sim.events import (
     Arrival,

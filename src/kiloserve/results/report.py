@@ -14,9 +14,9 @@ from typing import Any
 
 import orjson
 
-from kiloserve.bench import plots
-from kiloserve.bench.records import BenchResult, RequestRecord
-from kiloserve.bench.tables import comparison_markdown, summary_markdown
+from kiloserve.results import plots
+from kiloserve.results.records import BenchResult, RequestRecord
+from kiloserve.results.tables import comparison_markdown, summary_markdown
 
 __all__ = ["load_records", "load_summary", "write_comparison", "write_json", "write_report"]
 

@@ -1,4 +1,7 @@
-"""The live backend table: one ``BackendState`` per backend, and snapshots of it.
+"""The backend table: one ``BackendState`` per backend, and snapshots of it.
+
+The live gateway and the simulator both keep one (the gateway fills its scraped
+fields from HTTP scrapes, the simulator from its simulated engines).
 
 Everything the gateway knows about a backend lives here and only here: static fields
 from config, models (configured or discovered), scraped engine metrics, live counters
@@ -19,12 +22,11 @@ mutate what they see.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kiloserve.errors import NotFoundError
-from kiloserve.gateway.config import BackendConfig, GatewayConfig
 from kiloserve.policies.accounting import (
     EWMA_ALPHA,
     note_complete,
@@ -32,11 +34,12 @@ from kiloserve.policies.accounting import (
     note_first_token,
 )
 from kiloserve.policies.base import BackendState, ClusterSnapshot, Outcome, RequestInfo
+from kiloserve.routing.config import BackendConfig
 
 if TYPE_CHECKING:
-    from kiloserve.gateway.scrape import EngineMetrics
+    from kiloserve.routing.engine_metrics import EngineMetrics
 
-__all__ = ["EWMA_ALPHA", "BackendRecord", "BackendTable"]
+__all__ = ["EWMA_ALPHA", "BackendRecord", "BackendTable", "TableSettings"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,10 +84,27 @@ def _new_state(cfg: BackendConfig) -> BackendState:
     )
 
 
-class BackendTable:
-    """Live state of every configured backend, keyed by backend id."""
+class TableSettings(Protocol):
+    """What the table reads of a configuration (``GatewayConfig`` has all of it)."""
 
-    def __init__(self, cfg: GatewayConfig) -> None:
+    @property
+    def backends(self) -> Sequence[BackendConfig]: ...
+
+    @property
+    def stale_after_s(self) -> float: ...
+
+    @property
+    def max_scrape_failures(self) -> int: ...
+
+
+class BackendTable:
+    """Live state of every configured backend, keyed by backend id.
+
+    It holds state only: who is told of a first token or a finished request is the
+    ``Router``'s business (``kiloserve.routing.router``).
+    """
+
+    def __init__(self, cfg: TableSettings) -> None:
         self._stale_after_s = cfg.stale_after_s
         self._max_scrape_failures = cfg.max_scrape_failures
         self._records: dict[str, BackendRecord] = {
@@ -93,8 +113,6 @@ class BackendTable:
         self._states: tuple[BackendState, ...] = tuple(r.state for r in self._records.values())
         self._pools: dict[str, tuple[BackendState, ...]] = {}
         self._pool_ids: dict[str, frozenset[str]] = {}
-        self.completion_listeners: list[Callable[[str, Outcome], None]] = []
-        self.first_token_listeners: list[Callable[[str, float], None]] = []
         self._rebuild_pools()
 
     # -- lookup --------------------------------------------------------------------
@@ -173,8 +191,6 @@ class BackendTable:
         rec = self._records.get(backend_id)
         if rec is not None:
             note_first_token(rec.state, info, ttft_ms)
-            for listener in self.first_token_listeners:
-                listener(backend_id, ttft_ms)
 
     def on_complete(
         self, backend_id: str, info: RequestInfo, outcome: Outcome, *, had_first_token: bool
@@ -183,8 +199,6 @@ class BackendTable:
         if rec is None:
             return
         note_complete(rec.state, info, outcome, had_first_token=had_first_token)
-        for listener in self.completion_listeners:
-            listener(backend_id, outcome)
         if rec.is_removing and rec.state.in_flight == 0:
             self._delete(backend_id)
 

@@ -25,17 +25,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kiloserve.bench.provenance import run_info
-from kiloserve.bench.records import BenchResult, RequestRecord
 from kiloserve.errors import ConfigError
+from kiloserve.results.provenance import run_info
+from kiloserve.results.records import BenchResult, RequestRecord
 
 __all__ = [
     "LATENCY_KEYS",
     "PERCENTILES",
     "SCHEMA_VERSION",
+    "SLO_UNIT_MS",
     "Slo",
     "is_good",
     "latency_stats",
+    "p95_std_across",
     "parse_slo",
     "summarize",
 ]
@@ -45,7 +47,7 @@ DISPATCH_WARN_P99_MS = 50.0
 PERCENTILES = (50, 90, 95, 99)
 LATENCY_KEYS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 _SLO_PART = re.compile(r"^(ttft|tpot|e2e)=([0-9]*\.?[0-9]+)(us|ms|s)?$")
-_UNIT_MS = {"us": 0.001, "ms": 1.0, "s": 1000.0, None: 1.0}
+SLO_UNIT_MS = {"us": 0.001, "ms": 1.0, "s": 1000.0, None: 1.0}
 
 LatencyStats = dict[str, float | None]
 
@@ -76,7 +78,7 @@ def parse_slo(text: str) -> Slo:
             raise ConfigError(f"bad SLO {part!r}; expected ttft|tpot|e2e=NUMBER[us|ms|s]")
         if m.group(1) in values:
             raise ConfigError(f"SLO {m.group(1)!r} given twice")
-        values[m.group(1)] = float(m.group(2)) * _UNIT_MS[m.group(3)]
+        values[m.group(1)] = float(m.group(2)) * SLO_UNIT_MS[m.group(3)]
     return Slo(values.get("ttft"), values.get("tpot"), values.get("e2e"))
 
 
@@ -196,12 +198,14 @@ def backend_breakdown(records: Sequence[RequestRecord]) -> dict[str, object]:
         }  # fmt: skip
     return {
         "per_backend": per_backend,
-        "p95_std_across_backends_ms": _p95_std(per_backend, "e2e_ms"),
-        "ttft_p95_std_across_backends_ms": _p95_std(per_backend, "ttft_ms"),
+        "p95_std_across_backends_ms": p95_std_across(per_backend, "e2e_ms"),
+        "ttft_p95_std_across_backends_ms": p95_std_across(per_backend, "ttft_ms"),
     }
 
 
-def _p95_std(per_backend: dict[str, dict[str, object]], key: str) -> float | None:
+def p95_std_across(per_backend: dict[str, dict[str, object]], key: str) -> float | None:
+    """Population std-dev of the ``key`` P95 across backends (``unknown`` left out);
+    None with fewer than two backends."""
     p95s = []
     for name, block in per_backend.items():
         stats = block[key]

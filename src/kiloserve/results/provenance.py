@@ -10,7 +10,7 @@ from importlib import metadata
 
 import orjson
 
-from kiloserve.bench.records import BenchResult
+from kiloserve.results.records import BenchResult
 
 __all__ = ["config_hash", "run_info", "versions"]
 

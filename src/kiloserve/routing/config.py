@@ -1,0 +1,48 @@
+"""One backend's static configuration (the gateway YAML's ``backends:`` entries).
+
+It lives in ``routing`` because the backend table is built from it, in the live
+gateway and in the simulator alike; ``kiloserve.gateway.config`` re-exports it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+__all__ = ["BackendConfig", "EngineKind"]
+
+EngineKind = Literal["vllm", "sglang", "llamacpp", "tgi", "auto"]
+
+
+class BackendConfig(BaseModel):
+    """One engine instance. ``models`` empty means: discover from ``/v1/models``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str
+    name: str | None = None
+    models: list[str] = Field(default_factory=list)
+    gpu: str = ""
+    group: str = ""
+    version: str = ""
+    cost_per_hour: float = Field(default=0.0, ge=0.0)
+    weight: float = Field(default=1.0, ge=0.0)
+    engine: EngineKind = "auto"
+    kv_capacity_tokens: int | None = Field(default=None, ge=1)  # admission budget (admission.md)
+
+    @field_validator("url")
+    @classmethod
+    def _plain_http(cls, url: str) -> str:
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(
+                f"must be an http://host:port URL (https is not supported), got {url!r}"
+            )
+        return url
+
+    @property
+    def backend_id(self) -> str:
+        """The configured name, else the URL (also the ``x-kiloserve-backend`` value)."""
+        return self.name or self.url.rstrip("/")

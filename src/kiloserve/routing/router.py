@@ -1,0 +1,146 @@
+"""The ``Router``: one request's routing life, the same in the gateway and the simulator.
+
+    decide -> dispatch -> first_token -> complete (-> Outcome)
+
+* ``decide`` asks the policy once (``choose`` on a snapshot of the table), keeps the
+  backends of the request's model pool that are routable, in the policy's order, and
+  passes them through the optional ``admit`` hook (the gateway's circuit-breaker trial,
+  ``gateway/resilience``). A caller that needs a ranking for admission uses this one
+  decision and hands it on; nothing decides twice.
+* ``dispatch`` / ``first_token`` / ``complete`` update the table's live counters, then
+  the policy's hooks, then the listeners (health, dashboard, usage), in that order, so
+  every consumer of a completion hears of it from one place.
+* ``complete`` turns what was measured of one attempt (start, first token, last
+  token, number of output tokens) into the ``Outcome`` every consumer reads.
+
+Times are plain floats in seconds from the caller's clock (the event loop's in the
+gateway, simulated time in the simulator); the router reads no clock of its own.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+from kiloserve.policies.base import BackendState, Decision, Outcome, Policy, RequestInfo
+from kiloserve.routing.table import BackendTable
+
+__all__ = [
+    "AdmitHook",
+    "CompletionListener",
+    "DecisionListener",
+    "FirstTokenListener",
+    "Router",
+    "outcome_of",
+]
+
+AdmitHook = Callable[[tuple[str, ...], frozenset[str]], tuple[str, ...]]
+DecisionListener = Callable[[RequestInfo, Decision, tuple[str, ...]], None]
+FirstTokenListener = Callable[[str, RequestInfo, float], None]
+CompletionListener = Callable[[str, RequestInfo, Outcome], None]
+
+
+def outcome_of(
+    ok: bool,
+    status: int,
+    started_s: float,
+    first_token_s: float | None,
+    last_token_s: float,
+    output_tokens: int,
+) -> Outcome:
+    """One attempt's ``Outcome``: TTFT from start to first token, TPOT over the tokens
+    after the first (``None`` when there was no first token, or one token only)."""
+    ttft_ms = tpot_ms = None
+    if first_token_s is not None:
+        ttft_ms = (first_token_s - started_s) * 1000.0
+        if output_tokens > 1:
+            tpot_ms = (last_token_s - first_token_s) / (output_tokens - 1) * 1000.0
+    return Outcome(ok, status, ttft_ms, tpot_ms, output_tokens)
+
+
+class Router:
+    """Decisions and their bookkeeping over one ``BackendTable`` with one policy."""
+
+    def __init__(
+        self,
+        table: BackendTable,
+        policy: Policy,
+        rng: random.Random,
+        *,
+        admit: AdmitHook | None = None,
+    ) -> None:
+        self.table = table
+        self.policy = policy
+        self.rng = rng
+        self.admit = admit
+        self.decision_listeners: list[DecisionListener] = []
+        self.first_token_listeners: list[FirstTokenListener] = []
+        self.completion_listeners: list[CompletionListener] = []
+
+    @property
+    def policy_name(self) -> str:
+        return self.policy.name
+
+    def decide(
+        self,
+        info: RequestInfo,
+        now_s: float,
+        *,
+        eligible_by_model: dict[str, tuple[BackendState, ...]] | None = None,
+        limit: int | None = None,
+    ) -> Decision:
+        """The policy's ranking restricted to the model's routable pool, best first.
+
+        ``limit`` stops once that many backends are found (the simulator asks for the
+        proxy's ``retries + 1``); ``eligible_by_model`` is handed to the snapshot (see
+        ``BackendTable.snapshot``). The returned ``Decision`` may be empty.
+        """
+        table = self.table
+        snapshot = table.snapshot(now_s, eligible_by_model)
+        decision = self.policy.choose(info, snapshot, self.rng)
+        pool = table.pool_ids(info.model)
+        ranked: list[str] = []
+        for backend_id in decision.ranked:
+            if backend_id in pool and table.is_routable(backend_id):
+                ranked.append(backend_id)
+                if len(ranked) == limit:
+                    break
+        kept = tuple(ranked)
+        if self.admit is not None:
+            kept = self.admit(kept, pool)
+        if kept and self.decision_listeners:
+            for listener in self.decision_listeners:
+                listener(info, decision, kept)
+        return Decision(kept, decision.policy, decision.reason, decision.scores)
+
+    def dispatch(self, backend_id: str, info: RequestInfo) -> None:
+        """An attempt is sent to ``backend_id``."""
+        self.table.on_dispatch(backend_id, info)
+        self.policy.on_dispatch(info, backend_id)
+
+    def first_token(self, backend_id: str, info: RequestInfo, ttft_ms: float) -> None:
+        """The attempt's first output token reached the gateway, ``ttft_ms`` after dispatch."""
+        self.table.on_first_token(backend_id, info, ttft_ms)
+        for listener in self.first_token_listeners:
+            listener(backend_id, info, ttft_ms)
+
+    def complete(
+        self,
+        backend_id: str,
+        info: RequestInfo,
+        *,
+        ok: bool,
+        status: int,
+        started_s: float,
+        first_token_s: float | None,
+        last_token_s: float,
+        output_tokens: int,
+    ) -> Outcome:
+        """The attempt ended (``status`` 499: the client left); tell everyone once."""
+        outcome = outcome_of(ok, status, started_s, first_token_s, last_token_s, output_tokens)
+        had_first = first_token_s is not None
+        self.table.on_complete(backend_id, info, outcome, had_first_token=had_first)
+        self.policy.on_complete(info, backend_id, outcome)
+        for listener in self.completion_listeners:
+            listener(backend_id, info, outcome)
+        return outcome
