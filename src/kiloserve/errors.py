@@ -1,20 +1,76 @@
 """One error hierarchy for kiloserve.
 
     KiloserveError
-    ├── ConfigError            bad YAML / flags / catalog entries (message names the key)
-    ├── CatalogError           unknown GPU / model / quantisation
-    ├── DoesNotFitError        a model does not fit the GPU memory (says what would)
-    ├── BackendError           an engine failed to answer as expected (gateway side)
-    └── RequestError           a client's request is invalid; carries an HTTP status
-        ├── NotFoundError      404 (unknown model)
-        └── PayloadTooLargeError 413
+    ├── ConfigError                  bad YAML / flags / catalog entries (names the key)
+    │   └── CatalogError             unknown GPU / model / quantisation
+    ├── DoesNotFitError              a model does not fit the GPU memory (says what would)
+    ├── LaunchError                  a child process failed to start or to become healthy
+    ├── EtcdError                    etcd could not be reached or answered an error
+    ├── BackendError                 an engine failed to answer as expected (gateway side)
+    │   └── UpstreamError            connecting to / writing to / reading from it failed
+    └── RequestError                 400 invalid_request_error   the base of every HTTP error
+        ├── UnauthorizedError        401 authentication_error    no / wrong API key or token
+        ├── ForbiddenError           403 permission_error        model not allowed, admin remote
+        ├── NotFoundError            404 not_found_error         unknown model / backend
+        ├── PayloadTooLargeError     413 invalid_request_error   body over max_body_bytes
+        ├── TooManyRequestsError     429 rate_limit_error        rate limit (Retry-After)
+        │   └── QueueFullError       429 rate_limit_error        an admission lane is full
+        ├── UnavailableError         503 service_unavailable     no backend, overloaded, queued
+        │                                                        too long (Retry-After)
+        └── BadGatewayError          502 upstream_error          no backend answered
+            └── GatewayTimeoutError  504 upstream_error          ... in time
+
+Every HTTP error class has one ``status`` and one OpenAI-style ``err_type``, and each
+status has one type (``ERROR_TYPES``). A handler raises one; the gateway's middleware
+(``kiloserve.gateway.errors``) and the engine twin's turn it into
+``{"error": {"message", "type", "param", "code"}}`` with its status, and a
+``Retry-After`` header when the error carries ``retry_after_s``. (The engine twin
+speaks vLLM's dialect and writes ``NotFoundError`` as the type of its 404s.)
 
 Third-party exceptions are translated at the edge with ``raise ... from exc``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Mapping
+
+__all__ = [
+    "ERROR_TYPES",
+    "BackendError",
+    "BadGatewayError",
+    "CatalogError",
+    "ConfigError",
+    "DoesNotFitError",
+    "EtcdError",
+    "ForbiddenError",
+    "GatewayTimeoutError",
+    "KiloserveError",
+    "LaunchError",
+    "NotFoundError",
+    "PayloadTooLargeError",
+    "QueueFullError",
+    "RequestError",
+    "TooManyRequestsError",
+    "UnauthorizedError",
+    "UnavailableError",
+    "UpstreamError",
+    "retry_after_header",
+    "some_of",
+]
+
+# HTTP status -> the one OpenAI-style error type the gateway writes for it
+ERROR_TYPES: Mapping[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    502: "upstream_error",
+    503: "service_unavailable",
+    504: "upstream_error",
+}
 
 
 class KiloserveError(Exception):
@@ -33,42 +89,125 @@ class DoesNotFitError(KiloserveError):
     """A model's weights (or a minimal KV cache) do not fit in GPU memory."""
 
 
+class LaunchError(KiloserveError):
+    """A child process failed to start or became unhealthy while starting."""
+
+
+class EtcdError(KiloserveError):
+    """etcd could not be reached or answered an error."""
+
+
 class BackendError(KiloserveError):
     """A backend engine failed (connect error, 5xx, timeout, bad protocol)."""
 
 
+class UpstreamError(BackendError):
+    """Connecting to, writing to or reading from a backend failed (the proxy's client)."""
+
+
+def retry_after_header(wait_s: float) -> str:
+    """A ``Retry-After`` value: whole seconds, rounded up, at least 1."""
+    return str(max(1, math.ceil(wait_s)))
+
+
 class RequestError(KiloserveError):
-    """A client request is invalid. ``status`` and ``err_type`` follow OpenAI's errors."""
+    """An HTTP request is refused. ``status`` and ``err_type`` follow OpenAI's errors;
+    this base is a 400 (the client's request is invalid)."""
 
     status = 400
     err_type = "invalid_request_error"
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: float | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code
+        self.retry_after_s = retry_after_s
+        self.headers = dict(headers or {})
 
-    def to_body(self) -> dict[str, object]:
-        """OpenAI-style error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    def to_body(self, err_type: str | None = None) -> dict[str, object]:
+        """OpenAI-style error body: ``{"error": {"message", "type", "param", "code"}}``
+        (``err_type`` overrides the class's type: the engine twin's vLLM dialect)."""
         return {
             "error": {
                 "message": self.message,
-                "type": self.err_type,
+                "type": err_type or self.err_type,
                 "param": self.param,
                 "code": self.code if self.code is not None else self.status,
             }
         }
 
+    def response_headers(self) -> dict[str, str]:
+        """Headers of the error answer: ``Retry-After`` when set, then ``headers``."""
+        out: dict[str, str] = {}
+        if self.retry_after_s is not None:
+            out["Retry-After"] = retry_after_header(self.retry_after_s)
+        out.update(self.headers)
+        return out
+
+
+class UnauthorizedError(RequestError):
+    status = 401
+    err_type = "authentication_error"
+
+
+class ForbiddenError(RequestError):
+    status = 403
+    err_type = "permission_error"
+
 
 class NotFoundError(RequestError):
     status = 404
-    err_type = "NotFoundError"
+    err_type = "not_found_error"
 
 
 class PayloadTooLargeError(RequestError):
     status = 413
     err_type = "invalid_request_error"
+
+
+class TooManyRequestsError(RequestError):
+    status = 429
+    err_type = "rate_limit_error"
+
+
+class QueueFullError(TooManyRequestsError):
+    """An admission lane is at ``max_queue_len`` (``lane`` names it)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        lane: str,
+        code: str | None = "queue_full",
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(message, code=code, retry_after_s=retry_after_s)
+        self.lane = lane
+
+
+class UnavailableError(RequestError):
+    status = 503
+    err_type = "service_unavailable"
+
+
+class BadGatewayError(RequestError):
+    """No backend answered: every tried one failed to connect (or, subclass, timed out)."""
+
+    status = 502
+    err_type = "upstream_error"
+
+
+class GatewayTimeoutError(BadGatewayError):
+    status = 504
 
 
 def some_of(names: Iterable[str], limit: int = 10) -> str:

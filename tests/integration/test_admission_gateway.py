@@ -13,7 +13,7 @@ from test_gateway_fakes import (
     running_gateway,
 )
 
-from kiloserve.gateway.auth import hash_key
+from kiloserve.gateway.admission.auth import hash_key
 
 
 def _admission(**kw: Any) -> dict[str, Any]:

@@ -9,7 +9,8 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 
 from conftest import free_port
-from kiloserve.gateway.upstream import UpstreamError, UpstreamPool
+from kiloserve.errors import UpstreamError
+from kiloserve.gateway.upstream import UpstreamPool
 
 Reply = Callable[[bytes], list[bytes]]
 

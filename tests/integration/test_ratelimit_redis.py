@@ -12,8 +12,8 @@ import pytest
 from test_gateway_fakes import FakeBackend, fake_backends, gateway_config, running_gateway
 
 from conftest import free_port
-from kiloserve.gateway.auth import hash_key
-from kiloserve.gateway.ratelimit import Quota
+from kiloserve.gateway.admission.auth import hash_key
+from kiloserve.gateway.admission.ratelimit import Quota
 
 REDIS = shutil.which("redis-server")
 pytestmark = pytest.mark.skipif(REDIS is None, reason="redis-server not installed")
@@ -82,7 +82,7 @@ async def test_two_gateways_share_one_limit(redis_url: str) -> None:
 
 
 async def test_redis_token_bucket_reconciles(redis_url: str) -> None:
-    from kiloserve.gateway.ratelimit import RedisLimiter
+    from kiloserve.gateway.admission.ratelimit import RedisLimiter
 
     a, b = RedisLimiter(redis_url), RedisLimiter(redis_url)
     q = Quota("tenant-zeta", max_requests_per_min=None, max_tokens_per_min=1000)

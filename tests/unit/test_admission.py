@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kiloserve.gateway.admission import AdmissionConfig, PoolQueue, QueueFullError, Waiter, lane_of
+from kiloserve.errors import QueueFullError
+from kiloserve.gateway.admission.queue import AdmissionConfig, PoolQueue, Waiter, lane_of
 
 
 def _w(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kiloserve.gateway.capacity import (
+from kiloserve.gateway.admission.capacity import (
     CapacityConfig,
     has_room,
     in_flight_cap,

@@ -4,14 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kiloserve.errors import ConfigError
-from kiloserve.gateway.auth import (
-    AuthConfig,
-    ForbiddenError,
-    KeyStore,
-    UnauthorizedError,
-    hash_key,
-)
+from kiloserve.errors import ConfigError, ForbiddenError, UnauthorizedError
+from kiloserve.gateway.admission.auth import AuthConfig, KeyStore, hash_key
 
 
 def _store(**env: str) -> KeyStore:

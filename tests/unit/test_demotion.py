@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kiloserve.gateway.demotion import DemotionConfig, SlowNodeDemoter
+from kiloserve.gateway.resilience.demotion import DemotionConfig, SlowNodeDemoter
 
 POOLS = {"a": ("a", "b", "c"), "b": ("a", "b", "c"), "c": ("a", "b", "c")}
 

@@ -11,9 +11,9 @@ from kiloserve.agent.cli import add_arguments, config_from_args
 from kiloserve.agent.nvml import health_score
 from kiloserve.errors import ConfigError
 from kiloserve.gateway.config import BackendConfig
-from kiloserve.gateway.health import HealthConfig, ProbeTracker
 from kiloserve.gateway.registry.etcd import prefix_end
 from kiloserve.gateway.registry.record import RegistryRecord, decode_record, encode_record
+from kiloserve.gateway.resilience.health import HealthConfig, ProbeTracker
 
 
 def test_probe_streaks_flip_health_after_n_and_m() -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kiloserve.gateway.outlier import BreakerState, OutlierConfig, OutlierDetector
+from kiloserve.gateway.resilience.outlier import BreakerState, OutlierConfig, OutlierDetector
 
 POOL = ("a", "b", "c", "d")
 

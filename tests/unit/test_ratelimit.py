@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kiloserve.gateway.ratelimit import LocalLimiter, Quota, TokenBucket, retry_after_header
+from kiloserve.errors import retry_after_header
+from kiloserve.gateway.admission.ratelimit import LocalLimiter, Quota, TokenBucket
 
 
 def test_bucket_refills_continuously_up_to_capacity() -> None:

@@ -20,8 +20,9 @@ import aiohttp
 import orjson
 
 from kiloserve.agent.nvml import health_score, read_nvml
+from kiloserve.errors import EtcdError
 from kiloserve.gateway.config import BackendConfig
-from kiloserve.gateway.registry.etcd import EtcdClient, EtcdError
+from kiloserve.gateway.registry.etcd import EtcdClient
 from kiloserve.gateway.registry.record import RegistryRecord, encode_record
 from kiloserve.gateway.registry.settings import DEFAULT_PREFIX
 

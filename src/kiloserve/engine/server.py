@@ -65,6 +65,9 @@ CrashFn = Callable[[int], None]
 CRASH_KEY: web.AppKey[CrashFn] = web.AppKey("crash")
 SHUTDOWN_TIMEOUT_S = 2.0
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+# the twin speaks vLLM's dialect: its 404s are typed NotFoundError (kiloserve.errors and
+# the gateway write not_found_error); other statuses keep their kiloserve.errors type
+_VLLM_TYPES = {404: "NotFoundError"}
 
 
 WATCHER_KEY = web.AppKey("watcher", DisconnectWatcher)
@@ -88,11 +91,11 @@ async def error_middleware(
         response = await handler(request)  # type: ignore[misc]
         return response  # type: ignore[no-any-return]
     except RequestError as exc:
-        return _json(exc.to_body(), exc.status)
+        return _json(exc.to_body(_VLLM_TYPES.get(exc.status)), exc.status)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        err_type = "NotFoundError" if exc.status == 404 else "invalid_request_error"
+        err_type = _VLLM_TYPES.get(exc.status, "invalid_request_error")
         return _error(exc.status, exc.reason, err_type)
     except Exception:
         logger.exception("unhandled error serving %s %s", request.method, request.path)

@@ -1,7 +1,8 @@
 """Admin API under ``/admin/``: backend state, drain / undrain, effective config.
 
-Protected by a bearer token when ``admin_token`` (or ``KILOSERVE_ADMIN_TOKEN``) is set;
-without a token only loopback clients (127.0.0.0/8, ::1) may call it.
+Protected by a bearer token when ``admin_token`` (or ``KILOSERVE_ADMIN_TOKEN``) is set
+(else 401); without a token only loopback clients (127.0.0.0/8, ::1) may call it (else
+403). Errors are raised and answered by the gateway's middleware (``gateway/errors.py``).
 
 * ``GET  /admin/backends``               live state and weights of every backend
 * ``POST /admin/backends/{name}/drain``   stop routing new requests to a backend
@@ -25,7 +26,7 @@ import orjson
 from aiohttp import web
 
 from kiloserve import __version__
-from kiloserve.errors import NotFoundError
+from kiloserve.errors import ForbiddenError, UnauthorizedError
 from kiloserve.gateway.config import GatewayConfig
 from kiloserve.routing.table import BackendTable
 
@@ -57,21 +58,16 @@ def deployment_record(cfg: GatewayConfig) -> dict[str, str]:
     return {"version": __version__, "config_hash": config_hash(cfg)}
 
 
-def _error(status: int, message: str, err_type: str) -> web.Response:
-    body = {"error": {"message": message, "type": err_type, "param": None, "code": status}}
-    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
-
-
 def _guard(token: str | None, handler: _Handler) -> _Handler:
     async def guarded(request: web.Request) -> web.Response:
         if token is None:
             if not is_loopback(request.remote):
-                return _error(403, "admin API is loopback-only without a token", "forbidden")
+                raise ForbiddenError("admin API is loopback-only without a token")
         else:
             given = request.headers.get("authorization", "")
             expected = f"Bearer {token}"
             if not hmac.compare_digest(given.encode(), expected.encode()):
-                return _error(401, "missing or wrong admin bearer token", "unauthorized")
+                raise UnauthorizedError("missing or wrong admin bearer token")
         return await handler(request)
 
     return guarded
@@ -98,12 +94,7 @@ def add_admin_routes(
     def drain_handler(draining: bool) -> _Handler:
         async def handler(request: web.Request) -> web.Response:
             name = request.match_info["name"]
-            try:
-                table.set_draining(name, draining)
-            except NotFoundError as exc:
-                return web.Response(
-                    body=orjson.dumps(exc.to_body()), status=404, content_type="application/json"
-                )
+            table.set_draining(name, draining)  # NotFoundError (404) for an unknown backend
             return _json({"name": name, "draining": draining})
 
         return handler

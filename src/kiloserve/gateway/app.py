@@ -4,7 +4,8 @@
 one pooled upstream ``ClientSession`` and starts model discovery and the scrape loop,
 and its cleanup hook stops them. Run it with ``handler_cancellation=True`` (as
 ``kiloserve gateway`` does) so a client that disconnects while waiting for a
-non-streaming answer also closes the upstream request.
+non-streaming answer also closes the upstream request. Handlers raise the errors of
+``kiloserve.errors``; one middleware (``gateway/errors.py``) answers them.
 """
 
 from __future__ import annotations
@@ -23,17 +24,24 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from kiloserve.errors import ConfigError, NotFoundError, PayloadTooLargeError, RequestError
+from kiloserve.errors import (
+    ConfigError,
+    NotFoundError,
+    PayloadTooLargeError,
+    RequestError,
+    UnavailableError,
+)
 from kiloserve.gateway.admin import add_admin_routes, config_hash
+from kiloserve.gateway.admission.gate import FLOW_KEY, install_flow_control
 from kiloserve.gateway.config import GatewayConfig
 from kiloserve.gateway.dashboard import add_dashboard_routes
 from kiloserve.gateway.dashboard_state import DashboardRecorder
-from kiloserve.gateway.gatekeeper import FLOW_KEY, install_flow_control
+from kiloserve.gateway.errors import error_middleware
 from kiloserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from kiloserve.gateway.profile import Profiler
 from kiloserve.gateway.proxy import REQUEST_ID_HEADER, ProxyContext, forward
 from kiloserve.gateway.registry.watch import start_registry
-from kiloserve.gateway.resilience import Resilience
+from kiloserve.gateway.resilience.manager import Resilience
 from kiloserve.gateway.scrape import scrape_loop
 from kiloserve.gateway.upstream import UpstreamPool
 from kiloserve.policies.base import Decision, Policy, RequestInfo
@@ -64,6 +72,12 @@ _SESSION_KEY = web.AppKey("kiloserve_gateway_session", aiohttp.ClientSession)
 _IDS_KEY = web.AppKey("kiloserve_gateway_ids", _RequestIds)
 RESILIENCE_KEY = web.AppKey("kiloserve_gateway_resilience", Resilience)
 _MAX_REQUEST_ID_CHARS = 128
+# the request's id, kept on the request; aiohttp >= 3.13 wants a RequestKey, older has none
+_RID_KEY: Any = (
+    web.RequestKey("kiloserve_request_id", str)
+    if hasattr(web, "RequestKey")
+    else "kiloserve_request_id"
+)
 
 
 def create_policy_for(cfg: GatewayConfig) -> Policy:
@@ -76,24 +90,20 @@ def create_policy_for(cfg: GatewayConfig) -> Policy:
     return policy
 
 
-def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(
-        body=orjson.dumps(data), status=status, headers=headers, content_type="application/json"
-    )
-
-
-def _error(
-    exc: RequestError, request_id: str, headers: dict[str, str] | None = None
-) -> web.Response:
-    hdrs = {REQUEST_ID_HEADER: request_id, **(headers or {})}
-    return _json(exc.to_body(), status=exc.status, headers=hdrs)
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
 
 
 def _request_id(request: web.Request) -> str:
-    rid = request.headers.get(REQUEST_ID_HEADER)
-    if rid and len(rid) <= _MAX_REQUEST_ID_CHARS and rid.isprintable():
-        return rid
-    return request.app[_IDS_KEY].next()
+    """The client's ``x-request-id`` when printable and short, else a new one; the same
+    for one request however often asked (the error middleware asks again)."""
+    rid: str | None = request.get(_RID_KEY)
+    if rid is None:
+        rid = request.headers.get(REQUEST_ID_HEADER)
+        if not (rid and len(rid) <= _MAX_REQUEST_ID_CHARS and rid.isprintable()):
+            rid = request.app[_IDS_KEY].next()
+        request[_RID_KEY] = rid
+    return rid
 
 
 async def _read_body(request: web.Request, max_body_bytes: int) -> bytes:
@@ -129,17 +139,10 @@ def _check_model(model: str, table: BackendTable) -> None:
         )
 
 
-def _unavailable(message: str, code: str, request_id: str) -> web.Response:
-    exc = RequestError(message, code=code)
-    exc.status = 503
-    exc.err_type = "service_unavailable"
-    return _error(exc, request_id, {"Retry-After": "1"})
-
-
 async def _proxy(request: web.Request, path: str) -> web.StreamResponse:
     ctx = request.app[CTX_KEY]
     rid = _request_id(request)
-    flow = request.app.get(FLOW_KEY)  # API keys, limits, admission (gatekeeper.py)
+    flow = request.app.get(FLOW_KEY)  # API keys, limits, admission (admission/gate.py)
     try:
         key = flow.authenticate(request.headers) if flow is not None else None
         raw = await _read_body(request, ctx.cfg.max_body_bytes)
@@ -148,9 +151,9 @@ async def _proxy(request: web.Request, path: str) -> web.StreamResponse:
         info = ctx.profiler.profile(rid, body, request.headers)
         if flow is not None:
             info = flow.classify(key, info, request.headers)
-    except RequestError as exc:
+    except RequestError as exc:  # answered by the error middleware (gateway/errors.py)
         ctx.metrics.request_done("", "", exc.status)
-        return _error(exc, rid)
+        raise
 
     def dispatch(decision: Decision | None) -> Awaitable[web.StreamResponse]:
         return _dispatch(request, path, body, raw, info, decision)
@@ -171,16 +174,20 @@ async def _dispatch(
     """Forward along ``decision`` (admission's, with its reserved backend first), or
     along the router's decision when admission is off: one ``choose`` either way."""
     ctx = request.app[CTX_KEY]
-    rid = info.request_id
     if ctx.num_in_flight >= ctx.cfg.max_in_flight:
         ctx.metrics.request_done(info.model, "", 503)
-        return _unavailable("the gateway is at its in-flight limit; retry later", "overloaded", rid)
+        raise UnavailableError(
+            "the gateway is at its in-flight limit; retry later", code="overloaded", retry_after_s=1
+        )
     if decision is None:
         decision = ctx.router.decide(info, time.monotonic())
     if not decision.ranked:
         ctx.metrics.request_done(info.model, "", 503)
-        message = f"no healthy backend for model `{info.model}`; retry later"
-        return _unavailable(message, "no_backend", rid)
+        raise UnavailableError(
+            f"no healthy backend for model `{info.model}`; retry later",
+            code="no_backend",
+            retry_after_s=1,
+        )
     ctx.num_in_flight += 1
     try:
         return await forward(ctx, request, path, body, raw, info, decision)
@@ -303,7 +310,9 @@ def create_gateway_app(cfg: GatewayConfig, *, policy: Policy | None = None) -> w
         profiler=Profiler(cfg),
         dashboard=DashboardRecorder(cfg.dashboard) if cfg.dashboard.enabled else None,
     )
-    app = web.Application(client_max_size=cfg.max_body_bytes)
+    app = web.Application(
+        client_max_size=cfg.max_body_bytes, middlewares=[error_middleware(_request_id)]
+    )
     app[CTX_KEY] = ctx
     app[TABLE_KEY] = table
     app[METRICS_KEY] = gw_metrics

@@ -20,14 +20,14 @@ from pydantic import (
 )
 
 from kiloserve.errors import ConfigError
-from kiloserve.gateway.admission import AdmissionConfig
-from kiloserve.gateway.auth import AuthConfig
+from kiloserve.gateway.admission.auth import AuthConfig
+from kiloserve.gateway.admission.queue import AdmissionConfig
+from kiloserve.gateway.admission.ratelimit import RateLimitConfig
 from kiloserve.gateway.dashboard_state import DashboardConfig
-from kiloserve.gateway.demotion import DemotionConfig
-from kiloserve.gateway.health import HealthConfig
-from kiloserve.gateway.outlier import OutlierConfig
-from kiloserve.gateway.ratelimit import RateLimitConfig
 from kiloserve.gateway.registry.settings import RegistryConfig
+from kiloserve.gateway.resilience.demotion import DemotionConfig
+from kiloserve.gateway.resilience.health import HealthConfig
+from kiloserve.gateway.resilience.outlier import OutlierConfig
 from kiloserve.routing.config import BackendConfig
 from kiloserve.validation import model_at, unknown_keys_message
 

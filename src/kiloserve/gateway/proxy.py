@@ -3,8 +3,11 @@
 Retry rule: a connect error, a 5xx, a 429 or a first-byte timeout moves the request to
 the next backend of the decision's ranked list (at most ``retries`` times, within the
 request's deadline). Once a byte has been written to the client there is no retry.
-A backend's 4xx (other than 429) is passed through unchanged. When the client goes away
-the upstream response is closed, so the engine aborts the request and frees its KV.
+A backend's 4xx (other than 429) is passed through unchanged; when no backend answered at
+all, ``forward`` raises ``BadGatewayError`` / ``GatewayTimeoutError`` (502 / 504, answered
+by ``gateway/errors.py``).
+When the client goes away the upstream response is closed, so the engine aborts the
+request and frees its KV.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from kiloserve.errors import BackendError
+from kiloserve.errors import BackendError, BadGatewayError, GatewayTimeoutError
 from kiloserve.gateway.config import GatewayConfig
 from kiloserve.gateway.dashboard_state import DashboardRecorder
 from kiloserve.gateway.metrics import GatewayMetrics
@@ -92,18 +95,22 @@ def _our_headers(call: _Call, backend_id: str) -> dict[str, str]:
     return {REQUEST_ID_HEADER: call.info.request_id, BACKEND_HEADER: backend_id}
 
 
-def _error_body(message: str, err_type: str, code: int) -> bytes:
-    return orjson.dumps(
-        {"error": {"message": message, "type": err_type, "param": None, "code": code}}
-    )
+def _upstream_error(
+    status: int, message: str, headers: dict[str, str] | None = None
+) -> BadGatewayError:
+    """The gateway's own 502 (connect error) or 504 (time-out) for a failed request."""
+    cls = GatewayTimeoutError if status == GatewayTimeoutError.status else BadGatewayError
+    return cls(message, headers=headers)
 
 
 def _failure_response(call: _Call, backend_id: str, failure: _Failure) -> web.Response:
-    body = failure.body
-    if body is None:
+    """The last backend's own answer (5xx / 429), relayed unchanged; without one (it did
+    not answer), raises the gateway's ``BadGatewayError`` / ``GatewayTimeoutError``."""
+    headers = _our_headers(call, backend_id)
+    if failure.body is None:
         message = f"no backend could serve the request ({failure.reason})"
-        body = _error_body(message, "upstream_error", failure.status)
-    resp = web.Response(status=failure.status, body=body, headers=_our_headers(call, backend_id))
+        raise _upstream_error(failure.status, message, headers)
+    resp = web.Response(status=failure.status, body=failure.body, headers=headers)
     resp.content_type = failure.content_type.split(";")[0]
     return resp
 
@@ -269,7 +276,7 @@ async def _relay(
 async def _stream_error_event(out: web.StreamResponse, status: int) -> None:
     """End a cut stream with an explicit SSE error event, so no client waits on it."""
     message = "the backend failed mid-stream" if status == 502 else "the stream timed out"
-    event = b"data: " + _error_body(message, "upstream_error", status) + b"\n\n"
+    event = b"data: " + orjson.dumps(_upstream_error(status, message).to_body()) + b"\n\n"
     try:
         await out.write(event)
     except (ConnectionResetError, OSError):

@@ -17,17 +17,13 @@ from __future__ import annotations
 import asyncio
 from urllib.parse import urlsplit
 
-from kiloserve.errors import BackendError
+from kiloserve.errors import UpstreamError
 
-__all__ = ["UpstreamError", "UpstreamPool", "UpstreamResponse"]
+__all__ = ["UpstreamPool", "UpstreamResponse"]
 
 _CRLF = b"\r\n"
 _HEAD_END = b"\r\n\r\n"
 _MAX_HEAD_BYTES = 64 * 1024
-
-
-class UpstreamError(BackendError):
-    """Connecting to, writing to or reading from a backend failed."""
 
 
 class _Conn(asyncio.Protocol):

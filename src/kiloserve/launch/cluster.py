@@ -24,9 +24,10 @@ from typing import Any
 
 import yaml
 
+from kiloserve.errors import LaunchError
 from kiloserve.launch.config import ClusterConfig, ExpandedBackend
 from kiloserve.launch.engines import METRIC_DIALECTS, engine_launch
-from kiloserve.launch.process import ChildProcess, LaunchError
+from kiloserve.launch.process import ChildProcess
 
 __all__ = ["BackendInfo", "LocalCluster", "describe_backend", "free_port", "gateway_config"]
 

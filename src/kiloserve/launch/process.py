@@ -20,15 +20,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kiloserve.errors import KiloserveError
+from kiloserve.errors import LaunchError
 
-__all__ = ["ChildProcess", "LaunchError", "tail"]
+__all__ = ["ChildProcess", "tail"]
 
 log = logging.getLogger(__name__)
-
-
-class LaunchError(KiloserveError):
-    """A child process failed to start or became unhealthy while starting."""
 
 
 def _die_with_parent() -> None:

@@ -1,7 +1,7 @@
 """Scored: filter -> weighted scorers -> picker (llm-d style), composed from YAML.
 
 Algorithm: candidates are ``signals.candidates``. Each configured scorer
-(``scorers.SCORERS``: queue, tokens, kv, prefix, latency, session, weight) gives every
+(``scorers.SCORERS``: queue, tokens, kv, prefix, latency, session, weight, ttft) gives every
 candidate a score in [0, 1]; the total is ``sum(weight_k * score_k) / sum(weight_k)``,
 so it is in [0, 1] too. Pickers:
 

@@ -20,13 +20,9 @@ from typing import Any
 import aiohttp
 import orjson
 
-from kiloserve.errors import KiloserveError
+from kiloserve.errors import EtcdError
 
-__all__ = ["EtcdClient", "EtcdError", "WatchEvent", "prefix_end"]
-
-
-class EtcdError(KiloserveError):
-    """etcd could not be reached or answered an error."""
+__all__ = ["EtcdClient", "WatchEvent", "prefix_end"]
 
 
 @dataclass(frozen=True, slots=True)

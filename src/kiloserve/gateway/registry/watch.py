@@ -20,10 +20,10 @@ import aiohttp
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kiloserve.errors import ConfigError
+from kiloserve.errors import ConfigError, EtcdError
 from kiloserve.gateway.config import GatewayConfig
 from kiloserve.gateway.metrics import PREFIX, GatewayMetrics
-from kiloserve.gateway.registry.etcd import EtcdClient, EtcdError, WatchEvent
+from kiloserve.gateway.registry.etcd import EtcdClient, WatchEvent
 from kiloserve.gateway.registry.record import decode_record
 from kiloserve.routing.table import BackendTable
 

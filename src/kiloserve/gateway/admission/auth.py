@@ -19,39 +19,9 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kiloserve.errors import ConfigError, RequestError
+from kiloserve.errors import ConfigError, ForbiddenError, UnauthorizedError
 
-__all__ = [
-    "ApiKey",
-    "ApiKeyConfig",
-    "AuthConfig",
-    "ForbiddenError",
-    "KeyStore",
-    "TooManyRequestsError",
-    "UnauthorizedError",
-    "UnavailableError",
-    "hash_key",
-]
-
-
-class UnauthorizedError(RequestError):
-    status = 401
-    err_type = "authentication_error"
-
-
-class ForbiddenError(RequestError):
-    status = 403
-    err_type = "permission_error"
-
-
-class TooManyRequestsError(RequestError):
-    status = 429
-    err_type = "rate_limit_error"
-
-
-class UnavailableError(RequestError):
-    status = 503
-    err_type = "service_unavailable"
+__all__ = ["ApiKey", "ApiKeyConfig", "AuthConfig", "KeyStore", "hash_key"]
 
 
 class ApiKeyConfig(BaseModel):

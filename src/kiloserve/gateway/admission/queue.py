@@ -1,8 +1,8 @@
 """Gateway-side admission queues (S2.2-S2.4): pure logic, time passed in.
 
 One ``PoolQueue`` per model pool holds the requests that found no backend with room.
-It is bounded per lane (a full lane answers 429) and in wait time (``expire`` hands
-back the requests past their deadline, answered 503).
+It is bounded per lane (a full lane raises ``QueueFullError``, answered 429) and in
+wait time (``expire`` hands back the requests past their deadline, answered 503).
 
 Order of release, best first (``pick``):
 
@@ -35,14 +35,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kiloserve.gateway.capacity import CapacityConfig
+from kiloserve.errors import QueueFullError
+from kiloserve.gateway.admission.capacity import CapacityConfig
 
 __all__ = [
     "LANES",
     "AdmissionConfig",
     "InputLimits",
     "PoolQueue",
-    "QueueFullError",
     "Waiter",
     "lane_of",
 ]
@@ -83,10 +83,6 @@ class AdmissionConfig(BaseModel):
     tick_s: float = Field(default=0.01, gt=0.0)
     capacity: CapacityConfig = Field(default_factory=CapacityConfig)
     limits: InputLimits = Field(default_factory=InputLimits)
-
-
-class QueueFullError(Exception):
-    """The request's lane is at ``max_queue_len`` (answered 429 with Retry-After)."""
 
 
 def lane_of(input_tokens: int, cfg: AdmissionConfig) -> Lane:
@@ -169,7 +165,7 @@ class PoolQueue:
         """Queue ``w`` (its lane is set here); raises QueueFullError when the lane is full."""
         w.lane = lane_of(w.input_tokens, self.cfg)
         if self._num_by_lane[w.lane] >= self.cfg.max_queue_len:
-            raise QueueFullError(w.lane)
+            raise QueueFullError(f"the {w.lane} lane is full", lane=w.lane)
         num_tenant = self._num_by_tenant.get(w.tenant, 0)
         self._fair.on_arrival(w.tenant, is_first_queued=num_tenant == 0)
         self._num_by_tenant[w.tenant] = num_tenant + 1

@@ -22,16 +22,9 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from kiloserve.gateway.admission import (
-    LANES,
-    AdmissionConfig,
-    PoolQueue,
-    QueueFullError,
-    Waiter,
-    lane_of,
-)
-from kiloserve.gateway.auth import TooManyRequestsError, UnavailableError
-from kiloserve.gateway.capacity import has_room, memory_need_tokens
+from kiloserve.errors import QueueFullError, UnavailableError
+from kiloserve.gateway.admission.capacity import has_room, memory_need_tokens
+from kiloserve.gateway.admission.queue import LANES, AdmissionConfig, PoolQueue, Waiter, lane_of
 from kiloserve.policies.base import RequestInfo
 from kiloserve.routing.router import Router
 from kiloserve.routing.table import BackendTable
@@ -176,7 +169,8 @@ class AdmissionController:
         return q
 
     async def admit(self, info: RequestInfo) -> Admission:
-        """Wait for room; raises TooManyRequestsError (429) or UnavailableError (503)."""
+        """Wait for room; raises QueueFullError (429) or UnavailableError (503), both
+        with ``Retry-After: admission.retry_after_s``."""
         need = memory_need_tokens(info.input_tokens, info.predicted_output_tokens)
         q = self._queue(info.model)
         now = time.monotonic()
@@ -197,9 +191,10 @@ class AdmissionController:
             q.push(w)
         except QueueFullError as exc:
             self.metrics.outcome(info.model, "rejected_queue_full")
-            raise TooManyRequestsError(
-                f"the gateway queue for `{info.model}` ({exc} lane) is full; retry later",
-                code="queue_full",
+            raise QueueFullError(
+                f"the gateway queue for `{info.model}` ({exc.lane} lane) is full; retry later",
+                lane=exc.lane,
+                retry_after_s=self.cfg.retry_after_s,
             ) from exc
         self._infos[id(w)] = info
         self.pump(now)
@@ -257,6 +252,7 @@ class AdmissionController:
                         f"waited {now_s - w.enqueued_s:.1f} s at the gateway for `{model}` "
                         f"(admission.max_queue_wait_s={self.cfg.max_queue_wait_s}); retry later",
                         code="queue_timeout",
+                        retry_after_s=self.cfg.retry_after_s,
                     )
                 )
 

@@ -16,7 +16,6 @@ Two stores with the same interface:
 from __future__ import annotations
 
 import hashlib
-import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -30,7 +29,6 @@ __all__ = [
     "RedisLimiter",
     "TokenBucket",
     "create_limiter",
-    "retry_after_header",
 ]
 
 
@@ -220,7 +218,3 @@ def create_limiter(cfg: RateLimitConfig) -> RateLimiter:
     if cfg.redis_url:
         return RedisLimiter(cfg.redis_url, cfg.key_prefix)
     return LocalLimiter()
-
-
-def retry_after_header(wait_s: float) -> str:
-    return str(max(1, math.ceil(wait_s)))

@@ -1,8 +1,8 @@
 """Glue between the gateway and the fault-tolerance state machines.
 
-``Resilience`` owns the active prober (``health.py``), the passive outlier detector
-(``outlier.py``) and the slow-node demoter (``demotion.py``), and writes their verdicts
-into the live ``BackendTable``:
+``Resilience`` owns the active prober (``prober.py``, verdicts by ``health.py``), the
+passive outlier detector (``outlier.py``) and the slow-node demoter (``demotion.py``),
+and writes their verdicts into the live ``BackendTable``:
 
 * probe failures and ejections are *vetoes* (``table.set_veto``): the backend is
   unhealthy while any veto holds, whatever its scrapes say;
@@ -31,10 +31,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kiloserve.gateway.config import GatewayConfig
-from kiloserve.gateway.demotion import SlowNodeDemoter
-from kiloserve.gateway.health import Prober, ProbeTracker
 from kiloserve.gateway.metrics import PREFIX, GatewayMetrics
-from kiloserve.gateway.outlier import OutlierDetector
+from kiloserve.gateway.resilience.demotion import SlowNodeDemoter
+from kiloserve.gateway.resilience.health import ProbeTracker
+from kiloserve.gateway.resilience.outlier import OutlierDetector
+from kiloserve.gateway.resilience.prober import Prober
 from kiloserve.policies.base import Outcome, RequestInfo
 from kiloserve.routing.router import Router
 from kiloserve.routing.table import BackendTable

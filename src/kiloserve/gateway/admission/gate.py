@@ -10,6 +10,8 @@ admission queue (429 full, 503 waited too long), then the app's usual decide + f
 (``dispatch``) along admission's decision, the admitted backend first (the router is
 asked once per request). At completion the admission reservation is returned and the
 key's token bucket is reconciled with the tokens actually used (prompt + completion).
+Every refusal is raised (``kiloserve.errors``) and answered by the gateway's error
+middleware (``gateway/errors.py``).
 """
 
 from __future__ import annotations
@@ -20,21 +22,15 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 
-import orjson
 from aiohttp import web
 
-from kiloserve.errors import RequestError
-from kiloserve.gateway.admission import AdmissionConfig
-from kiloserve.gateway.auth import (
-    ApiKey,
-    KeyStore,
-    TooManyRequestsError,
-    UnavailableError,
-)
+from kiloserve.errors import RequestError, TooManyRequestsError, UnavailableError
+from kiloserve.gateway.admission.auth import ApiKey, KeyStore
+from kiloserve.gateway.admission.controller import AdmissionController
+from kiloserve.gateway.admission.queue import AdmissionConfig
+from kiloserve.gateway.admission.ratelimit import Quota, RateLimiter, create_limiter
 from kiloserve.gateway.config import GatewayConfig
-from kiloserve.gateway.flow import AdmissionController
-from kiloserve.gateway.proxy import REQUEST_ID_HEADER, ProxyContext
-from kiloserve.gateway.ratelimit import Quota, RateLimiter, create_limiter, retry_after_header
+from kiloserve.gateway.proxy import ProxyContext
 from kiloserve.policies.base import Decision, Outcome, RequestInfo
 
 __all__ = [
@@ -56,16 +52,6 @@ def is_flow_configured(cfg: GatewayConfig) -> bool:
     lim = cfg.admission.limits
     has_limits = bool(lim.max_context_tokens or lim.model_context_tokens or lim.max_output_tokens)
     return bool(cfg.admission.enabled or cfg.auth.keys or has_limits)
-
-
-def _error(exc: RequestError, rid: str, retry_after: str | None = None) -> web.Response:
-    headers = {REQUEST_ID_HEADER: rid}
-    if retry_after is not None:
-        headers["Retry-After"] = retry_after
-    return web.Response(
-        body=orjson.dumps(exc.to_body()), status=exc.status, headers=headers,
-        content_type="application/json",
-    )  # fmt: skip
 
 
 def _parse_priority(value: str | None) -> int | None:
@@ -138,15 +124,16 @@ class FlowControl:
         return info.with_admission(prio, key.name)
 
     async def guard(self, info: RequestInfo, key: ApiKey | None, dispatch: Dispatch) -> Response:
-        """Rate limit and admit ``info``, then ``dispatch(admission's decision)``; reconcile."""
-        rid = info.request_id
+        """Rate limit and admit ``info``, then ``dispatch(admission's decision)``; reconcile.
+        Raises TooManyRequestsError (429) or UnavailableError (503), counted here."""
         quota, reserved = self._quota(key), self._reserve_tokens(info)
         if quota is not None and self.limiter is not None:
             wait_s = await self._acquire(quota, reserved)
             if wait_s > 0:
                 self.ctx.metrics.request_done(info.model, "", 429)
-                exc = TooManyRequestsError("rate limit reached for this API key", code="rate_limit")
-                return _error(exc, rid, retry_after_header(wait_s))
+                raise TooManyRequestsError(
+                    "rate limit reached for this API key", code="rate_limit", retry_after_s=wait_s
+                )
         try:
             return await self._admitted(info, dispatch)
         finally:
@@ -189,7 +176,7 @@ class FlowControl:
             adm = await self.admission.admit(info)
         except (TooManyRequestsError, UnavailableError) as exc:
             self.ctx.metrics.request_done(info.model, "", exc.status)
-            return _error(exc, info.request_id, str(self.cfg.admission.retry_after_s))
+            raise
         try:
             self.admission.dispatched(adm)  # forward counts it on the backend before any await
             return await dispatch(Decision(adm.ranked, self.ctx.router.policy_name))
