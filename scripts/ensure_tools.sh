@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install the Debian packages the deployment tests need, only when missing:
 #   prometheus  -> /usr/bin/prometheus and /usr/bin/promtool (tests/integration/test_prometheus.py,
-#                  tests/unit/test_deploy_manifests.py)
+#                  tests/unit/deploy/test_deploy_manifests.py)
 #   haproxy     -> /usr/sbin/haproxy (tests/integration/test_multi_gateway.py)
 #   etcd-server -> /usr/bin/etcd (tests/integration/test_etcd_registry.py, test_chaos.py etcd-down)
 #   chromium, chromium-driver -> /usr/bin/chromium, /usr/bin/chromedriver (headless browser

@@ -3,7 +3,7 @@
 The JSON files are generated so that every panel has the same shape (datasource
 variable, grid position, legend, unit) and stay reviewable as short Python lists of
 ``(title, unit, [(promql, legend), ...])``. Run ``python deploy/grafana/build_dashboards.py``
-after editing; tests/unit/test_deploy_manifests.py fails when the committed JSON differs
+after editing; tests/unit/deploy/test_deploy_manifests.py fails when the committed JSON differs
 from what this script writes, and cross-checks every metric name in the queries.
 
 Import the files in Grafana (Dashboards > Import, or file provisioning) and pick the

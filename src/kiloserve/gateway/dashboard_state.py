@@ -1,8 +1,8 @@
 """Ring buffers behind the live dashboard (``gateway/dashboard.py``).
 
-The gateway feeds a ``DashboardRecorder`` from two one-line hooks: every routing
-decision (``note_decision``, from ``app._decide``) and every finished attempt
-(``note_outcome``, from ``proxy._Attempt.finish``: its TTFT and TPOT samples). Once a
+The gateway feeds a ``DashboardRecorder`` from two router listeners: every routing
+decision (``note_decision``, from ``Router.decide``) and every finished attempt
+(``note_outcome``, from ``Router.complete``: its TTFT and TPOT samples). Once a
 second ``tick`` turns the trailing window of samples into one sparkline point per
 backend (P50 and P95) and the gateway's request counters into request and error rates.
 

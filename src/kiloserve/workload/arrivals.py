@@ -77,7 +77,7 @@ def request_rate_arrivals(
     while True:
         # Gaps in blocks: numpy fills an array with the very values (same order, same
         # bits) that one scalar ``rng.gamma`` call each would give, at a fraction of
-        # the calls (tests/unit/test_synthetic_batched.py).
+        # the calls (tests/unit/workload/test_synthetic_batched.py).
         for gap in rng.gamma(burstiness, scale, size=4096).tolist():
             yield t
             t += gap

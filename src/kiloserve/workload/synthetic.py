@@ -100,7 +100,7 @@ def _to_tokens(value: float) -> int:
 def _normal_draws(rng: np.random.Generator, block: int = 4096) -> Iterator[float]:
     """``rng``'s standard normals, drawn ``block`` at a time: the same values, in the
     same order, as one ``rng.normal``/``rng.lognormal`` call each (numpy computes both
-    from one standard normal; tests/unit/test_synthetic_batched.py checks bit equality)."""
+    from one standard normal; tests/unit/workload/test_synthetic_batched.py checks bit equality)."""
     while True:
         yield from rng.standard_normal(block).tolist()
 

@@ -9,11 +9,11 @@ and writes their verdicts into the live ``BackendTable``:
 * demotion sets ``effective_weight`` = base x weight factor, which every policy reads.
 
 It listens to every first token and finished attempt (the ``Router``'s
-``first_token_listeners`` and ``completion_listeners``), runs a tick every ``_TICK_S`` (expired
-ejections turn half-open, demotion re-judged) and, through ``admit`` (the router's
-admit hook), puts a half-open backend first in one request's ranked list: that request
-is its circuit-breaker trial, and if it fails the gateway's retry sends it on to the
-next backend before any byte reached the client.
+``first_token_listeners`` and ``completion_listeners``), runs a tick every
+``_TICK_S`` (expired ejections turn half-open, demotion re-judged) and, through
+``admit`` (the router's admit hook), puts a half-open backend first in one request's
+ranked list: that request is its circuit-breaker trial, and if it fails the gateway's
+retry sends it on to the next backend before any byte reached the client.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import pytest
 from kiloserve.sim.prompts import IdPool, PromptIds
 from kiloserve.workload import load_workload
 
-TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "traces"
+TRACES = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "traces"
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -12,7 +12,7 @@ from kiloserve.tokens import block_hashes, count_tokens, tokenize
 from kiloserve.workload import find_traces_dir, load_workload, read_trace
 
 # Same rule as the code: ../shared/data/traces next to the repository root.
-TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "traces"
+TRACES = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "traces"
 pytestmark = pytest.mark.skipif(not TRACES.is_dir(), reason=f"no shipped traces at {TRACES}")
 
 

@@ -13,7 +13,7 @@ from kiloserve.engine.block_manager import BlockManager
 from kiloserve.engine.sequence import Sequence
 
 BS = 4
-SOURCE = Path(__file__).resolve().parents[2] / "src" / "kiloserve" / "engine" / "block_manager.py"
+SOURCE = Path(__file__).resolve().parents[3] / "src" / "kiloserve" / "engine" / "block_manager.py"
 
 
 def _interpreted_block_manager() -> type[BlockManager]:

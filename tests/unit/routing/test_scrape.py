@@ -11,7 +11,7 @@ from kiloserve.gateway.config import parse_gateway_config
 from kiloserve.routing.engine_metrics import EngineMetrics, parse_engine_metrics
 from kiloserve.routing.table import BackendTable
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "metrics"
+DATA = Path(__file__).resolve().parents[2] / "data" / "metrics"
 
 
 @pytest.mark.parametrize(

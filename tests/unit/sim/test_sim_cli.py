@@ -9,7 +9,7 @@ import pytest
 
 from kiloserve.cli import main
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_sim_cli_writes_reports_per_policy_and_a_comparison(tmp_path: Path) -> None:

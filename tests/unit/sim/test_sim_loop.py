@@ -17,7 +17,7 @@ from kiloserve.sim.events import Event
 from kiloserve.sim.simulator import Simulator
 from kiloserve.workload import load_workload
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TINY = ROOT / "examples" / "cluster-tiny.yaml"
 WALL_KEYS = ("sim_wall_s", "sim_cpu_s", "real_time_factor", "requests_per_wall_s", "versions")
 WORKLOAD = "synthetic:input=uniform(64,600),output=uniform(8,80),prefix_groups=4,prefix_tokens=256"
