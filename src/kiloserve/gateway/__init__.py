@@ -44,8 +44,9 @@ simulator); the error classes are ``kiloserve.errors``.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kiloserve.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from kiloserve.gateway.app import create_gateway_app
@@ -53,21 +54,10 @@ if TYPE_CHECKING:
 
 __all__ = ["GatewayConfig", "create_gateway_app", "load_gateway_config", "parse_gateway_config"]
 
-_HOME = {
+_HOMES = {
     "GatewayConfig": "kiloserve.gateway.config",
     "create_gateway_app": "kiloserve.gateway.app",
     "load_gateway_config": "kiloserve.gateway.config",
     "parse_gateway_config": "kiloserve.gateway.config",
 }
-
-
-def __getattr__(name: str) -> Any:
-    """Lazy re-exports: the module of ``name`` is imported on first access."""
-    home = _HOME.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(home), name)
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports(__name__, __all__, _HOMES)
