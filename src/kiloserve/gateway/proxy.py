@@ -8,6 +8,15 @@ all, ``forward`` raises ``BadGatewayError`` / ``GatewayTimeoutError`` (502 / 504
 by ``gateway/errors.py``).
 When the client goes away the upstream response is closed, so the engine aborts the
 request and frees its KV.
+
+Every attempt is accounted exactly once (``_Attempt.finish`` -> ``Router.complete``)
+and its upstream response is always released or closed, however it ends: an answer,
+an upstream failure, a time-out, the client gone before or while the response is
+prepared or during a write, or the handler cancelled.
+
+Headers pass through both ways as through a transparent proxy (docs/gateway.md,
+"Header pass-through"): everything but the hop-by-hop headers (RFC 9110 section 7.6.1,
+and any header a ``Connection`` header names) and what the gateway sets itself.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ from kiloserve.gateway.dashboard_state import DashboardRecorder
 from kiloserve.gateway.metrics import GatewayMetrics
 from kiloserve.gateway.profile import Profiler
 from kiloserve.gateway.sse import SseRelay
-from kiloserve.gateway.upstream import UpstreamPool, UpstreamResponse
+from kiloserve.gateway.upstream import UpstreamPool, UpstreamResponse, header_tokens
 from kiloserve.policies.base import Decision, RequestInfo
 from kiloserve.routing.router import Router
 from kiloserve.routing.table import BackendTable
@@ -37,8 +46,31 @@ logger = logging.getLogger(__name__)
 
 BACKEND_HEADER = "x-kiloserve-backend"
 REQUEST_ID_HEADER = "x-request-id"
-_FORWARD_HEADERS = ("authorization", "accept")
 _CLIENT_GONE = 499
+
+# Hop-by-hop headers (RFC 9110 section 7.6.1): never passed on, either way.
+_HOP_BY_HOP = frozenset(
+    (b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer",
+     b"transfer-encoding", b"upgrade")
+)  # fmt: skip
+# Client -> engine: the gateway sets Host, Content-Length, Content-Type (the body may
+# be rewritten) and x-request-id itself; it has already answered any Expect; it reads
+# the engine's answers (usage, SSE events), so it asks for no compression.
+_NOT_FORWARDED = _HOP_BY_HOP | {
+    b"host", b"content-length", b"content-type", b"expect", b"accept-encoding",
+    b"x-request-id",
+}  # fmt: skip
+# With gateway API keys on, the client's key is the gateway's secret (S6.1).
+_NOT_FORWARDED_WITH_KEYS = _NOT_FORWARDED | {b"authorization"}
+# Engine -> client: the body is re-framed (Content-Length), Content-Type is set once,
+# the gateway's own ids win, and Date / Server are the gateway's (as nginx does).
+_NOT_RELAYED = _HOP_BY_HOP | {
+    b"content-length", b"content-type", b"x-request-id", b"x-kiloserve-backend",
+    b"date", b"server",
+}  # fmt: skip
+# ``Connection`` values that name no other header (the common case: no set to build)
+_PLAIN_CONNECTION = frozenset(("keep-alive", "close"))
+_Pairs = list[tuple[str, str]]
 
 
 @dataclass(slots=True)
@@ -77,17 +109,36 @@ class _Failure:
     reason: str
     status: int = 502
     body: bytes | None = None
-    content_type: str = "application/json"
+    headers: _Pairs | None = None  # the engine's answer's headers, to relay with ``body``
 
 
-def _upstream_headers(call: _Call, *, keep_auth: bool) -> dict[str, str]:
-    """Headers for the engine. With gateway API keys on, the client's key is the
-    gateway's secret and never reaches an engine (S6.1)."""
-    headers = {"Content-Type": "application/json", "x-request-id": call.info.request_id}
-    for name in _FORWARD_HEADERS if keep_auth else _FORWARD_HEADERS[1:]:
-        value = call.request.headers.get(name)
-        if value is not None:
-            headers[name] = value
+def _client_headers(request: web.Request, drop: frozenset[bytes]) -> list[tuple[bytes, bytes]]:
+    """The client's raw headers for the engine: all but ``drop`` and those its
+    ``Connection`` header names."""
+    connection = request.headers.get("Connection")
+    if connection is not None and connection.lower() not in _PLAIN_CONNECTION:
+        drop = drop | header_tokens(connection.encode("latin-1"))
+    return [(name, value) for name, value in request.raw_headers if name.lower() not in drop]
+
+
+def _relayed_headers(
+    call: _Call, backend_id: str, resp: UpstreamResponse, default_type: str
+) -> _Pairs:
+    """The engine's headers for the client: all but the hop-by-hop ones and what the
+    gateway sets; then Content-Type and the gateway's own two headers."""
+    drop = _NOT_RELAYED
+    if resp.connection_tokens:
+        drop = drop | resp.connection_tokens
+    headers = [
+        (name.decode("latin-1"), value.decode("utf-8", "replace"))
+        for name, value in resp.headers
+        if name not in drop
+    ]
+    headers += [
+        ("Content-Type", resp.content_type or default_type),
+        (REQUEST_ID_HEADER, call.info.request_id),
+        (BACKEND_HEADER, backend_id),
+    ]
     return headers
 
 
@@ -106,13 +157,10 @@ def _upstream_error(
 def _failure_response(call: _Call, backend_id: str, failure: _Failure) -> web.Response:
     """The last backend's own answer (5xx / 429), relayed unchanged; without one (it did
     not answer), raises the gateway's ``BadGatewayError`` / ``GatewayTimeoutError``."""
-    headers = _our_headers(call, backend_id)
-    if failure.body is None:
+    if failure.body is None or failure.headers is None:
         message = f"no backend could serve the request ({failure.reason})"
-        raise _upstream_error(failure.status, message, headers)
-    resp = web.Response(status=failure.status, body=failure.body, headers=headers)
-    resp.content_type = failure.content_type.split(";")[0]
-    return resp
+        raise _upstream_error(failure.status, message, _our_headers(call, backend_id))
+    return web.Response(status=failure.status, body=failure.body, headers=failure.headers)
 
 
 def _retryable_status(status: int) -> bool:
@@ -123,8 +171,8 @@ class _Attempt:
     """One try of one request on one backend, with its accounting."""
 
     __slots__ = (
-        "backend_id", "call", "ctx", "first_token_at", "last_chunk_at", "loop",
-        "output_tokens", "started",
+        "backend_id", "call", "ctx", "first_token_at", "is_finished", "last_chunk_at",
+        "loop", "output_tokens", "started",
     )  # fmt: skip
 
     def __init__(self, ctx: ProxyContext, call: _Call, backend_id: str) -> None:
@@ -136,6 +184,7 @@ class _Attempt:
         self.first_token_at: float | None = None
         self.last_chunk_at = self.started
         self.output_tokens = 0
+        self.is_finished = False
 
     def dispatch(self) -> None:
         self.ctx.router.dispatch(self.backend_id, self.call.info)
@@ -147,6 +196,10 @@ class _Attempt:
         self.ctx.metrics.observe_ttft(self.backend_id, ttft_s)
 
     def finish(self, ok: bool, status: int) -> None:
+        """Account the attempt (``Router.complete``, metrics); only the first call counts."""
+        if self.is_finished:
+            return
+        self.is_finished = True
         ctx, info, bid = self.ctx, self.call.info, self.backend_id
         now = self.loop.time()
         ctx.router.complete(
@@ -177,8 +230,10 @@ async def _try_backend(
     try:
         async with asyncio.timeout(budget_s):
             base_url = ctx.table.url_of(att.backend_id)
-            headers = _upstream_headers(call, keep_auth=not cfg.auth.keys)
-            resp = await ctx.upstream.post(base_url, call.path, call.payload, headers)
+            ours = {"Content-Type": "application/json", REQUEST_ID_HEADER: call.info.request_id}
+            drop = _NOT_FORWARDED_WITH_KEYS if cfg.auth.keys else _NOT_FORWARDED
+            theirs = _client_headers(call.request, drop)
+            resp = await ctx.upstream.post(base_url, call.path, call.payload, ours, theirs)
             if _retryable_status(resp.status) or resp.status != 200 or not call.is_stream:
                 body = await resp.read()
                 return resp, body
@@ -211,8 +266,7 @@ def _whole_response(
 ) -> web.Response:
     if resp.status == 200:
         att.output_tokens = _usage_tokens(body)
-    headers = _our_headers(call, att.backend_id)
-    headers["Content-Type"] = resp.content_type or "application/json"
+    headers = _relayed_headers(call, att.backend_id, resp, "application/json")
     return web.Response(status=resp.status, body=body, headers=headers)
 
 
@@ -245,18 +299,21 @@ async def _pump(
 async def _relay(
     ctx: ProxyContext, call: _Call, att: _Attempt, resp: UpstreamResponse, first: bytes
 ) -> tuple[web.StreamResponse, int]:
-    """Stream the upstream SSE body to the client as it arrives; returns (response, status)."""
-    headers = _our_headers(call, att.backend_id)
-    headers["Cache-Control"] = "no-cache"
+    """Stream the upstream SSE body to the client as it arrives; returns (response, status).
+
+    A client already gone when the response is prepared (``prepare`` raises
+    ``ClientConnectionResetError``) or during a write ends it with 499; aiohttp then
+    finds the response unwritable and drops the connection quietly."""
+    headers = _relayed_headers(call, att.backend_id, resp, "text/event-stream")
     out = web.StreamResponse(status=resp.status, headers=headers)
-    out.content_type = resp.content_type or "text/event-stream"
+    out.headers.setdefault("Cache-Control", "no-cache")
     relay = SseRelay(strip_usage=call.strip_usage)
-    await out.prepare(call.request)
     status = 200
     try:
         async with asyncio.timeout(call.deadline - att.loop.time()):
+            await out.prepare(call.request)
             await _pump(ctx, att, resp, out, relay, first)
-    except ConnectionResetError:
+    except ConnectionError:  # the client went away (aiohttp's ClientConnectionResetError)
         status = _CLIENT_GONE
     except TimeoutError:
         status = 504
@@ -279,7 +336,7 @@ async def _stream_error_event(out: web.StreamResponse, status: int) -> None:
     event = b"data: " + orjson.dumps(_upstream_error(status, message).to_body()) + b"\n\n"
     try:
         await out.write(event)
-    except (ConnectionResetError, OSError):
+    except OSError:  # the client went away meanwhile
         return
 
 
@@ -292,9 +349,8 @@ async def _serve(
             out, status = await _relay(ctx, call, att, resp, first)
         else:
             out, status = _whole_response(call, att, resp, first), resp.status
-    except asyncio.CancelledError:  # the client went away (handler cancelled)
+    except BaseException:  # cancelled (client gone) or a bug: ``_attempt`` accounts it
         resp.close()
-        att.finish(ok=False, status=_CLIENT_GONE)
         raise
     if status == resp.status:
         resp.release()
@@ -307,22 +363,26 @@ async def _serve(
 async def _attempt(
     ctx: ProxyContext, call: _Call, backend_id: str
 ) -> web.StreamResponse | _Failure:
+    """One backend's try; accounted exactly once whatever happens (``finish`` is
+    idempotent: the normal paths call it, and any exception lands here)."""
     att = _Attempt(ctx, call, backend_id)
     att.dispatch()
     try:
         got = await _try_backend(ctx, call, att)
-    except asyncio.CancelledError:
-        att.finish(ok=False, status=_CLIENT_GONE)
+        if isinstance(got, _Failure):
+            att.finish(ok=False, status=got.status)
+            return got
+        resp, first = got
+        if _retryable_status(resp.status):
+            resp.release()
+            att.finish(ok=False, status=resp.status)
+            headers = _relayed_headers(call, backend_id, resp, "application/json")
+            return _Failure(f"http_{resp.status}", resp.status, first, headers)
+        return await _serve(ctx, call, att, resp, first)
+    except BaseException as exc:
+        gone = isinstance(exc, asyncio.CancelledError | ConnectionError)
+        att.finish(ok=False, status=_CLIENT_GONE if gone else 500)
         raise
-    if isinstance(got, _Failure):
-        att.finish(ok=False, status=got.status)
-        return got
-    resp, first = got
-    if _retryable_status(resp.status):
-        resp.release()
-        att.finish(ok=False, status=resp.status)
-        return _Failure(f"http_{resp.status}", resp.status, first, resp.content_type)
-    return await _serve(ctx, call, att, resp, first)
 
 
 def _payload(body: dict[str, Any], raw: bytes) -> tuple[bytes, bool, bool]:

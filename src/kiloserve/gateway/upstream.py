@@ -10,16 +10,23 @@ request). Scrapes and discovery still use aiohttp.
 
 A reused keep-alive connection that fails before any response byte arrives (the
 backend closed it while idle) is retried once on a fresh connection.
+
+Response headers are exposed as received, in order, names lower-cased
+(``UpstreamResponse.headers``), with the tokens of ``Connection``
+(``connection_tokens``) so the proxy can drop the hop-by-hop ones; a ``close`` among
+them keeps the connection out of the pool. Request headers may be handed over as raw
+``(name, value)`` byte pairs, written as they are (``post(..., raw_headers=...)``).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 from kiloserve.errors import UpstreamError
 
-__all__ = ["UpstreamPool", "UpstreamResponse"]
+__all__ = ["Headers", "UpstreamPool", "UpstreamResponse", "header_tokens"]
 
 _CRLF = b"\r\n"
 _HEAD_END = b"\r\n\r\n"
@@ -73,34 +80,57 @@ class _Conn(asyncio.Protocol):
             self.transport.close()
 
 
-def _parse_head(head: bytes) -> tuple[int, dict[bytes, bytes]]:
+Headers = list[tuple[bytes, bytes]]
+_NO_TOKENS: frozenset[bytes] = frozenset()
+
+
+def _parse_head(head: bytes) -> tuple[int, Headers]:
+    """Status and ``(lower-cased name, value)`` pairs, in order (repeats kept)."""
     lines = head.split(_CRLF)
+    num_lines = len(lines)  # so num_lines - 1 CRLFs: any more CR or LF is a bare one
+    if head.count(b"\n") >= num_lines or head.count(b"\r") >= num_lines:
+        raise UpstreamError("bare CR or LF in the response head from backend")
     try:
         status = int(lines[0][9:12])
     except ValueError as exc:
         raise UpstreamError(f"bad status line from backend: {lines[0][:40]!r}") from exc
-    headers: dict[bytes, bytes] = {}
+    headers: Headers = []
     for line in lines[1:]:
-        name, _, value = line.partition(b":")
-        headers[name.strip().lower()] = value.strip()
+        name, sep, value = line.partition(b":")
+        if sep:
+            headers.append((name.strip().lower(), value.strip()))
     return status, headers
 
 
+def header_tokens(value: bytes) -> frozenset[bytes]:
+    """The lower-cased tokens of a comma-separated header value (``Connection``)."""
+    return frozenset(t.strip() for t in value.lower().split(b","))
+
+
 class UpstreamResponse:
-    """A response being read from one connection."""
+    """A response being read from one connection.
 
-    __slots__ = ("_chunked", "_conn", "_left", "_pool", "_reusable", "content_type", "status")
+    ``headers``: the response's ``(lower-cased name, value)`` byte pairs as received;
+    ``connection_tokens``: the tokens of its ``Connection`` header (hop-by-hop names)."""
 
-    def __init__(
-        self, pool: UpstreamPool, conn: _Conn, status: int, headers: dict[bytes, bytes]
-    ) -> None:
+    __slots__ = (
+        "_chunked", "_conn", "_left", "_pool", "_reusable", "connection_tokens",
+        "content_type", "headers", "status",
+    )  # fmt: skip
+
+    def __init__(self, pool: UpstreamPool, conn: _Conn, status: int, headers: Headers) -> None:
         self._pool = pool
         self._conn = conn
         self.status = status
-        self.content_type = headers.get(b"content-type", b"").decode("latin-1")
-        self._chunked = b"chunked" in headers.get(b"transfer-encoding", b"").lower()
-        self._reusable = headers.get(b"connection", b"").lower() != b"close"
-        length = headers.get(b"content-length")
+        self.headers = headers
+        found = dict(headers)
+        self.content_type = found.get(b"content-type", b"").decode("latin-1")
+        self._chunked = b"chunked" in found.get(b"transfer-encoding", b"").lower()
+        connection = found.get(b"connection")
+        tokens = _NO_TOKENS if connection is None else header_tokens(connection)
+        self.connection_tokens = tokens
+        self._reusable = b"close" not in tokens
+        length = found.get(b"content-length")
         if status in (204, 304) or 100 <= status < 200:
             self._left: int | None = 0
         elif self._chunked:
@@ -234,11 +264,20 @@ class UpstreamPool:
         return None
 
     async def post(
-        self, base_url: str, path: str, body: bytes, headers: dict[str, str]
+        self,
+        base_url: str,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        raw_headers: Sequence[tuple[bytes, bytes]] = (),
     ) -> UpstreamResponse:
-        """Send ``POST path`` and return once the response head has arrived."""
+        """Send ``POST path`` and return once the response head has arrived.
+
+        ``headers`` are checked for CR / LF; ``raw_headers`` are written as they are
+        (a client's headers, already parsed and checked by the gateway's HTTP server).
+        ``Host`` and ``Content-Length`` are always this client's own."""
         host, port, netloc = self._addr(base_url)
-        request = _request_bytes(netloc, path, body, headers)
+        request = _request_bytes(netloc, path, body, headers, raw_headers)
         conn = self._take_idle((host, port))
         if conn is not None:
             try:
@@ -278,7 +317,7 @@ def _chunk_size(buf: bytearray, start: int, end: int) -> int:
         raise UpstreamError("bad chunk size from backend") from exc
 
 
-async def _read_head(conn: _Conn) -> tuple[int, dict[bytes, bytes]]:
+async def _read_head(conn: _Conn) -> tuple[int, Headers]:
     while True:
         end = conn.buf.find(_HEAD_END)
         if end >= 0:
@@ -290,11 +329,19 @@ async def _read_head(conn: _Conn) -> tuple[int, dict[bytes, bytes]]:
         await conn.wait_data()
 
 
-def _request_bytes(netloc: bytes, path: str, body: bytes, headers: dict[str, str]) -> bytes:
+def _request_bytes(
+    netloc: bytes,
+    path: str,
+    body: bytes,
+    headers: dict[str, str],
+    raw_headers: Sequence[tuple[bytes, bytes]] = (),
+) -> bytes:
     lines = [b"POST ", path.encode(), b" HTTP/1.1\r\nHost: ", netloc, b"\r\n"]
     for name, value in headers.items():
         if "\r" in value or "\n" in value:
             raise UpstreamError(f"invalid header value for {name}")
         lines += [name.encode(), b": ", value.encode("utf-8", "surrogateescape"), _CRLF]
+    for raw_name, raw_value in raw_headers:
+        lines += [raw_name, b": ", raw_value, _CRLF]
     lines += [b"Content-Length: ", str(len(body)).encode(), _HEAD_END, body]
     return b"".join(lines)
