@@ -11,7 +11,8 @@
     └── RequestError                 400 invalid_request_error   the base of every HTTP error
         ├── UnauthorizedError        401 authentication_error    no / wrong API key or token
         ├── ForbiddenError           403 permission_error        model not allowed, admin remote
-        ├── NotFoundError            404 not_found_error         unknown model / backend
+        ├── NotFoundError            404 not_found_error         unknown model / backend / URL
+        ├── MethodNotAllowedError    405 invalid_request_error   wrong method for a URL (Allow)
         ├── PayloadTooLargeError     413 invalid_request_error   body over max_body_bytes
         ├── TooManyRequestsError     429 rate_limit_error        rate limit (Retry-After)
         │   └── QueueFullError       429 rate_limit_error        an admission lane is full
@@ -27,7 +28,8 @@ status has one type (``ERROR_TYPES``). A handler raises one; the gateway's middl
 ``Retry-After`` header when the error carries ``retry_after_s``. (The engine twin
 speaks vLLM's dialect and writes ``NotFoundError`` as the type of its 404s.)
 
-Third-party exceptions are translated at the edge with ``raise ... from exc``.
+Third-party exceptions are translated at the edge with ``raise ... from exc``. A client
+value quoted in a message goes through ``clip`` (at most 256 characters, then its length).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ __all__ = [
     "GatewayTimeoutError",
     "KiloserveError",
     "LaunchError",
+    "MethodNotAllowedError",
     "NotFoundError",
     "PayloadTooLargeError",
     "QueueFullError",
@@ -55,6 +58,7 @@ __all__ = [
     "UnauthorizedError",
     "UnavailableError",
     "UpstreamError",
+    "clip",
     "retry_after_header",
     "some_of",
 ]
@@ -65,6 +69,7 @@ ERROR_TYPES: Mapping[int, str] = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     502: "upstream_error",
@@ -169,6 +174,13 @@ class NotFoundError(RequestError):
     err_type = "not_found_error"
 
 
+class MethodNotAllowedError(RequestError):
+    """The URL exists, the method does not (the answer keeps aiohttp's ``Allow``)."""
+
+    status = 405
+    err_type = "invalid_request_error"
+
+
 class PayloadTooLargeError(RequestError):
     status = 413
     err_type = "invalid_request_error"
@@ -208,6 +220,14 @@ class BadGatewayError(RequestError):
 
 class GatewayTimeoutError(BadGatewayError):
     status = 504
+
+
+def clip(value: str, limit: int = 256) -> str:
+    """``value`` for an error message: whole when at most ``limit`` characters, else its
+    first ``limit`` and ``... (N chars)`` (a client's 100 KB model name is not echoed)."""
+    if len(value) <= limit:
+        return value
+    return f"{value[:limit]}... ({len(value)} chars)"
 
 
 def some_of(names: Iterable[str], limit: int = 10) -> str:

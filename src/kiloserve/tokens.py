@@ -22,6 +22,7 @@ from collections.abc import Sequence
 __all__ = [
     "CHARS_PER_PIECE",
     "FILLER_WORDS",
+    "MAX_TOKEN_ID",
     "block_hashes",
     "count_tokens",
     "estimate_tokens",
@@ -31,6 +32,7 @@ __all__ = [
 
 CHARS_PER_PIECE = 4
 DEFAULT_VOCAB = 128_000
+MAX_TOKEN_ID = 2**32 - 1  # block hashes pack each id in 4 bytes
 _PIECE = re.compile(r" ?[^\s]{1,4}|[^\S]+|[^\s]{1,4}")
 
 # Short words (<= 4 chars) used for deterministic prompt and output text.
@@ -123,7 +125,9 @@ def block_hashes(token_ids: Sequence[int], block_size: int = 16) -> list[int]:
     """Chained hashes of the full ``block_size`` blocks of ``token_ids``.
 
     Block i's hash covers blocks 0..i, so equal hashes mean equal prefixes (as in
-    vLLM's prefix cache). Stable across processes (no Python ``hash``).
+    vLLM's prefix cache). Stable across processes (no Python ``hash``). Ids must be
+    ints in 0..``MAX_TOKEN_ID`` (``OverflowError`` otherwise: callers that take ids from
+    clients check them first, as the gateway's profiler does).
     """
     out: list[int] = []
     prev = 0

@@ -101,3 +101,15 @@ def test_code_defaults_to_the_status_and_retry_after_is_whole_seconds() -> None:
     }
     assert errors.RequestError("x").response_headers() == {}
     assert errors.GatewayTimeoutError("x").status == 504
+
+
+def test_405_is_in_the_tree_with_the_400_type() -> None:
+    exc = errors.MethodNotAllowedError("no", headers={"Allow": "POST"})
+    assert (exc.status, exc.err_type) == (405, "invalid_request_error") == (405, ERROR_TYPES[405])
+    assert isinstance(exc, RequestError) and exc.response_headers() == {"Allow": "POST"}
+
+
+def test_clip_keeps_short_values_and_cuts_long_ones_with_their_length() -> None:
+    assert errors.clip("m" * 256) == "m" * 256
+    assert errors.clip("m" * 100_000) == "m" * 256 + "... (100000 chars)"
+    assert errors.clip("abcdef", 3) == "abc... (6 chars)"

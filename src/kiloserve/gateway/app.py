@@ -5,7 +5,14 @@ one pooled upstream ``ClientSession`` and starts model discovery and the scrape 
 and its cleanup hook stops them. Run it with ``handler_cancellation=True`` (as
 ``kiloserve gateway`` does) so a client that disconnects while waiting for a
 non-streaming answer also closes the upstream request. Handlers raise the errors of
-``kiloserve.errors``; one middleware (``gateway/errors.py``) answers them.
+``kiloserve.errors``; one middleware (``gateway/errors.py``) answers them, aiohttp's own
+HTTP errors included, and the app hands aiohttp's protocol handler a rate-limited logger
+(``ProtocolErrorLog``) for requests too malformed to reach a handler.
+
+The front door checks what the proxy relies on: the body decodes (``Content-Encoding``
+none / identity / gzip / deflate, or br / zstd where aiohttp can decode them), is a JSON
+object with a ``model``, ``stream`` is a boolean and ``stream_options`` an object;
+anything else is a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -30,13 +37,14 @@ from kiloserve.errors import (
     PayloadTooLargeError,
     RequestError,
     UnavailableError,
+    clip,
 )
 from kiloserve.gateway.admin import add_admin_routes, config_hash
 from kiloserve.gateway.admission.gate import FLOW_KEY, install_flow_control
 from kiloserve.gateway.config import GatewayConfig
 from kiloserve.gateway.dashboard import add_dashboard_routes
 from kiloserve.gateway.dashboard_state import DashboardRecorder
-from kiloserve.gateway.errors import error_middleware
+from kiloserve.gateway.errors import ProtocolErrorLog, error_middleware
 from kiloserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from kiloserve.gateway.profile import Profiler
 from kiloserve.gateway.proxy import REQUEST_ID_HEADER, ProxyContext, forward
@@ -106,14 +114,75 @@ def _request_id(request: web.Request) -> str:
     return rid
 
 
+# Content-Encodings aiohttp decodes (br / zstd only with their packages: without them
+# aiohttp itself refuses the request with a 400 before any handler runs)
+_DECODED_ENCODINGS = frozenset({"", "identity", "gzip", "deflate", "br", "zstd"})
+
+
 async def _read_body(request: web.Request, max_body_bytes: int) -> bytes:
     length = request.content_length
     if length is not None and length > max_body_bytes:
         raise PayloadTooLargeError(f"request body over the {max_body_bytes}-byte limit")
+    encoding = request.headers.get("Content-Encoding", "")
+    if not (encoding.isascii() and encoding.lower() in _DECODED_ENCODINGS):
+        # aiohttp passes a body in an unknown coding through undecoded: refuse it here
+        raise RequestError(
+            f"unsupported Content-Encoding `{clip(encoding, 64)}`: send the body "
+            "uncompressed, or gzip / deflate encoded",
+            code="unsupported_content_encoding",
+        )
     try:
         return await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
         raise PayloadTooLargeError(f"request body over the {max_body_bytes}-byte limit") from exc
+    except web.RequestPayloadError as exc:  # bad gzip / deflate, bad chunking, cut short
+        reason = clip(str(exc).replace("\n", " ").strip(), 200)
+        raise RequestError(
+            f"the request body could not be read or decoded ({reason}); check its "
+            "Content-Encoding and framing",
+            code="invalid_body",
+        ) from exc
+
+
+def _type_name(value: Any) -> str:
+    """A JSON type name for an error message."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+def _check_stream_fields(body: dict[str, Any]) -> None:
+    """``stream`` a boolean and ``stream_options`` an object (or null): the proxy reads
+    both to ask the backend for usage, and would otherwise rewrite or misread them."""
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise RequestError(
+            f"Invalid type for 'stream': expected a boolean, but got {_type_name(stream)}",
+            param="stream",
+        )
+    opts = body.get("stream_options")
+    if opts is None:
+        return
+    if not isinstance(opts, dict):
+        raise RequestError(
+            f"Invalid type for 'stream_options': expected an object, but got {_type_name(opts)}",
+            param="stream_options",
+        )
+    usage = opts.get("include_usage")
+    if usage is not None and not isinstance(usage, bool):
+        raise RequestError(
+            "Invalid type for 'stream_options.include_usage': expected a boolean, but got "
+            f"{_type_name(usage)}",
+            param="stream_options.include_usage",
+        )
 
 
 def _parse_body(raw: bytes) -> dict[str, Any]:
@@ -126,6 +195,7 @@ def _parse_body(raw: bytes) -> dict[str, Any]:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise RequestError("you must provide a 'model' parameter", param="model")
+    _check_stream_fields(body)
     return body
 
 
@@ -133,7 +203,7 @@ def _check_model(model: str, table: BackendTable) -> None:
     if not table.serves(model):
         served = ", ".join(table.served_models()) or "(none yet)"
         raise NotFoundError(
-            f"The model `{model}` does not exist. Served models: {served}",
+            f"The model `{clip(model)}` does not exist. Served models: {served}",
             param="model",
             code="model_not_found",
         )
@@ -311,7 +381,10 @@ def create_gateway_app(cfg: GatewayConfig, *, policy: Policy | None = None) -> w
         dashboard=DashboardRecorder(cfg.dashboard) if cfg.dashboard.enabled else None,
     )
     app = web.Application(
-        client_max_size=cfg.max_body_bytes, middlewares=[error_middleware(_request_id)]
+        client_max_size=cfg.max_body_bytes,
+        middlewares=[error_middleware(_request_id)],
+        # aiohttp's protocol handler logs malformed requests through this (rate-limited)
+        handler_args={"logger": ProtocolErrorLog()},
     )
     app[CTX_KEY] = ctx
     app[TABLE_KEY] = table

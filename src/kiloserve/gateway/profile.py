@@ -3,11 +3,19 @@
 * input tokens: a real ``tokenizers`` tokenizer when ``models.<name>.tokenizer`` is
   configured, else ``kiloserve.tokens.count_tokens`` on the prompt (completions) or on
   the message contents joined by newlines (chat). Token-id prompts count exactly.
+  Token-id prompts are checked: ids are ints in 0..2^32-1 (bools are not), in a list or
+  a list of lists (one level of nesting, as OpenAI's completions allow); else 400
+  naming ``prompt``.
 * predicted output tokens: ``max_tokens`` / ``max_completion_tokens`` when given, else
   an EWMA of actual output tokens per (user, model), else ``default_output_tokens``.
 * session key: the ``x-session-id`` header, else the body's ``user``, else the ``sub``
   claim of a JWT bearer token. The JWT is only base64-decoded, NOT verified: the key is
   a routing hint (affinity), never an identity used for access control.
+* bounded keys: a ``user`` / session id / model name longer than ``MAX_KEY_CHARS`` is
+  kept only as ``bounded_key``'s digest of the whole value (stable across processes, so
+  one user keeps its session, tenant and history; two long values sharing a prefix stay
+  apart). So every per-user structure here (and downstream: affinity, tenant fair
+  share) is bounded in bytes per entry as well as in entries, whatever clients send.
 * prefix hashes: ``kiloserve.tokens.block_hashes`` over the first ``max_prefix_tokens``
   tokens (chained, so a capped prefix still identifies the shared prefix).
 """
@@ -16,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any, Protocol
@@ -25,11 +34,30 @@ import orjson
 from kiloserve.errors import ConfigError, RequestError
 from kiloserve.gateway.config import GatewayConfig
 from kiloserve.policies.base import RequestInfo
-from kiloserve.tokens import block_hashes, count_tokens, tokenize
+from kiloserve.tokens import MAX_TOKEN_ID, block_hashes, count_tokens, tokenize
 
-__all__ = ["OutputPredictor", "Profiler", "jwt_subject", "prompt_text"]
+__all__ = [
+    "MAX_KEY_CHARS",
+    "OutputPredictor",
+    "Profiler",
+    "bounded_key",
+    "jwt_subject",
+    "prompt_text",
+]
 
 MAX_PIECE_CHARS = 5  # one optional leading space + 4 characters (see kiloserve.tokens)
+MAX_KEY_CHARS = 128  # longer user / session / model keys are kept as a digest
+_DIGEST_PREFIX = "sha256:"
+
+
+def bounded_key(value: str) -> str:
+    """``value`` itself when at most ``MAX_KEY_CHARS`` long, else ``sha256:`` and 32 hex
+    digits of a digest of all of it: the same for equal values in every process, apart
+    for different ones (not truncated: long ids that share a prefix stay distinct)."""
+    if len(value) <= MAX_KEY_CHARS:
+        return value
+    digest = hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()
+    return _DIGEST_PREFIX + digest[:32]
 
 
 class _Encoder(Protocol):
@@ -37,7 +65,9 @@ class _Encoder(Protocol):
 
 
 class OutputPredictor:
-    """EWMA of actual output tokens per (user, model), bounded in size (LRU)."""
+    """EWMA of actual output tokens per (user, model), bounded in size (LRU): at most
+    ``max_num_keys`` entries, each keyed by ``bounded_key``s (a few hundred bytes per
+    entry), whatever the raw ``user`` strings are."""
 
     def __init__(self, default_tokens: int, alpha: float = 0.2, max_num_keys: int = 100_000):
         self._default = default_tokens
@@ -45,12 +75,16 @@ class OutputPredictor:
         self._max_num_keys = max_num_keys
         self._ewma: OrderedDict[tuple[str, str], float] = OrderedDict()
 
+    @staticmethod
+    def _key(user: str | None, model: str) -> tuple[str, str]:
+        return bounded_key(user or ""), bounded_key(model)
+
     def predict(self, user: str | None, model: str) -> int:
-        value = self._ewma.get((user or "", model))
+        value = self._ewma.get(self._key(user, model))
         return self._default if value is None else max(1, round(value))
 
     def observe(self, user: str | None, model: str, output_tokens: int) -> None:
-        key = (user or "", model)
+        key = self._key(user, model)
         old = self._ewma.pop(key, None)
         new = float(output_tokens) if old is None else old + self._alpha * (output_tokens - old)
         self._ewma[key] = new
@@ -86,8 +120,26 @@ def _content_text(content: Any) -> str:
     return ""
 
 
+def _token_ids(ids: list[Any]) -> list[int]:
+    """``ids`` when every item is a token id (an int in 0..2^32-1, not a bool), else a
+    400 naming ``prompt`` (an id past 2^32-1 made ``block_hashes`` fail: a 500)."""
+    if all(type(t) is int for t in ids):  # exact type: bools (ints too) are not ids
+        if not ids or (min(ids) >= 0 and max(ids) <= MAX_TOKEN_ID):
+            return ids
+    elif any(isinstance(t, list) for t in ids):
+        raise RequestError(
+            "'prompt' nests lists too deeply: it is a string, a list of strings, a list "
+            "of token ids or a list of lists of token ids",
+            param="prompt",
+        )
+    raise RequestError(
+        f"token ids in 'prompt' must be integers in 0..{MAX_TOKEN_ID}", param="prompt"
+    )
+
+
 def prompt_text(body: Mapping[str, Any]) -> str | list[int]:
-    """The prompt as text (or token ids) from a completions or chat body."""
+    """The prompt as text (or token ids) from a completions or chat body; token ids are
+    checked (``RequestError`` naming ``prompt``)."""
     messages = body.get("messages")
     if isinstance(messages, list):
         return "\n".join(_content_text(m.get("content")) for m in messages if isinstance(m, dict))
@@ -95,12 +147,13 @@ def prompt_text(body: Mapping[str, Any]) -> str | list[int]:
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, list) and prompt:
-        if all(isinstance(t, int) for t in prompt):
-            return list(prompt)
-        if isinstance(prompt[0], str):
+        first = prompt[0]
+        if isinstance(first, int):  # bools too: the check names them
+            return list(_token_ids(prompt))
+        if isinstance(first, str):
             return "\n".join(p for p in prompt if isinstance(p, str))
-        if isinstance(prompt[0], list):
-            return [t for p in prompt if isinstance(p, list) for t in p if isinstance(t, int)]
+        if isinstance(first, list):  # a batch of token-id prompts (other items ignored)
+            return [t for p in prompt if isinstance(p, list) for t in _token_ids(p)]
     return ""
 
 
@@ -166,13 +219,16 @@ class Profiler:
     ) -> RequestInfo:
         model = body["model"]
         user = body.get("user")
-        user_key = user if isinstance(user, str) and user else None
+        # a long user is kept as its digest (stable): never the raw string (issue 15)
+        user_key = bounded_key(user) if isinstance(user, str) and user else None
         max_tokens = _max_tokens(body)
         input_tokens, hashes = self._tokens(model, prompt_text(body))
         predicted = max_tokens if max_tokens is not None else self.outputs.predict(user_key, model)
-        session = headers.get("x-session-id") or user_key
+        sid = headers.get("x-session-id")
+        session = bounded_key(sid) if sid else user_key
         if session is None:
-            session = jwt_subject(headers.get("authorization"))
+            sub = jwt_subject(headers.get("authorization"))
+            session = bounded_key(sub) if sub is not None else None
         return RequestInfo(
             request_id=request_id,
             model=model,

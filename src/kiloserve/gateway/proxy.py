@@ -58,6 +58,7 @@ _HOP_BY_HOP = frozenset(
 # the engine's answers (usage, SSE events), so it asks for no compression.
 _NOT_FORWARDED = _HOP_BY_HOP | {
     b"host", b"content-length", b"content-type", b"expect", b"accept-encoding",
+    b"content-encoding",  # the body the gateway sends on is the decoded one
     b"x-request-id",
 }  # fmt: skip
 # With gateway API keys on, the client's key is the gateway's secret (S6.1).
