@@ -359,7 +359,12 @@ def test_cli_port_zero_and_crash_fault() -> None:
             line = proc.stderr.readline()
         url = line.decode().rsplit("listening on ", 1)[1].strip()
         _wait_healthy(url, proc)
-        req = urllib.request.Request(url + "/admin/faults", data=b'{"crash": true}', method="POST")
+        req = urllib.request.Request(
+            url + "/admin/faults",
+            data=b'{"crash": true}',
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
         with urllib.request.urlopen(req, timeout=5) as resp:
             assert resp.status == 200
         assert proc.wait(timeout=10) == 1

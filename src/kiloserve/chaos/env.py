@@ -143,7 +143,10 @@ class DrillEnv:
     async def _http(self, method: str, url: str, body: Any = None) -> Any:
         if self.session is None:
             self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0))
-        async with self.session.request(method, url, json=body) as resp:
+        # the drill's own processes inherit $KILOSERVE_ADMIN_TOKEN when the user set it
+        token = os.environ.get("KILOSERVE_ADMIN_TOKEN")
+        headers = {"Authorization": f"Bearer {token}"} if token else None
+        async with self.session.request(method, url, json=body, headers=headers) as resp:
             if resp.content_type == "application/json":
                 return await resp.json()
             return await resp.text()

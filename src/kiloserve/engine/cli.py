@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 from kiloserve.engine.faults import FaultSet
 from kiloserve.engine.twin import TwinConfig
 
-__all__ = ["add_arguments", "config_from_args", "run"]
+__all__ = ["ADMIN_TOKEN_ENV", "add_arguments", "admin_token_from_args", "config_from_args", "run"]
 
 logger = logging.getLogger(__name__)
+
+ADMIN_TOKEN_ENV = "KILOSERVE_ADMIN_TOKEN"  # the gateway's admin token variable, too
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +31,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.92)
     parser.add_argument("--tokenizer", help="path to a tokenizer.json (default: approximation)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fault RNG")
+    parser.add_argument(
+        "--admin-token",
+        help=f"bearer token /admin/faults requires (default: ${ADMIN_TOKEN_ENV}; unset: none)",
+    )
+    parser.add_argument(
+        "--admin-allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a Host name /admin/faults answers besides IPs, localhost and --host (repeatable)",
+    )
     faults = parser.add_argument_group("faults (also settable at run time: POST /admin/faults)")
     faults.add_argument("--slowdown", type=float, default=1.0, help="step-time multiplier")
     faults.add_argument("--error-rate", type=float, default=0.0, help="share of failed requests")
@@ -63,8 +77,17 @@ def config_from_args(args: argparse.Namespace) -> TwinConfig:
     )
 
 
+def admin_token_from_args(args: argparse.Namespace) -> str | None:
+    """``--admin-token``, else ``$KILOSERVE_ADMIN_TOKEN``, else ``None`` (no token)."""
+    return args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None
+
+
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGINT / SIGTERM. A model that does not fit exits with code 2."""
     from kiloserve.engine.server import run_twin
 
-    return run_twin(config_from_args(args))
+    return run_twin(
+        config_from_args(args),
+        admin_token=admin_token_from_args(args),
+        admin_allowed_hosts=args.admin_allowed_host,
+    )

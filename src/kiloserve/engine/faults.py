@@ -1,7 +1,9 @@
 """Fault injection for drills (SPEC S3.6): set at start-up by flags or at run time.
 
-The JSON forms of ``POST /admin/faults`` are a contract; a body replaces the whole
-active set (keys left out are off, so ``{}`` clears every fault)::
+The JSON forms of ``POST /admin/faults`` are a contract; a body (``Content-Type:
+application/json``: the server refuses other types, and a foreign ``Host`` or
+``Origin``, and wants a bearer token when started with one; ``engine/server.py``)
+replaces the whole active set (keys left out are off, so ``{}`` clears every fault)::
 
     {"slowdown": 4.0}                     every modelled step takes 4x as long
     {"error_rate": 0.5, "status": 500}    half the inference requests answer 500

@@ -7,6 +7,13 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (stream and n
 ``GET /v1/models``, ``GET /health``, ``POST /tokenize``, ``GET /version``,
 ``GET /metrics``, ``GET|POST /admin/faults``. Every error is an OpenAI-style JSON body;
 bad input is a 4xx, and anything unexpected a 500 JSON (never a bare traceback).
+
+``/admin/faults`` can crash or stall the twin, so a web page must not reach it through
+the operator's browser (``kiloserve.httpguard``): a ``Host`` other than an IP address,
+localhost, the bound host or an allowed name, a cross-origin ``Origin`` and a cross-site
+fetch are 403, a POST whose body is not ``application/json`` is 400. With an admin
+token (``kiloserve engine --admin-token`` or ``KILOSERVE_ADMIN_TOKEN``) it also needs
+``Authorization: Bearer <token>`` (401).
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 
 import orjson
 from aiohttp import web
@@ -46,6 +53,7 @@ from kiloserve.engine.twin import (
     build_twin,
 )
 from kiloserve.errors import ConfigError, NotFoundError, RequestError
+from kiloserve.httpguard import HostPolicy, check_bearer, check_browser_request, is_loopback_host
 
 __all__ = [
     "VLLM_VERSION",
@@ -71,6 +79,7 @@ _VLLM_TYPES = {404: "NotFoundError"}
 
 
 WATCHER_KEY = web.AppKey("watcher", DisconnectWatcher)
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _json(body: object, status: int = 200) -> web.Response:
@@ -267,6 +276,18 @@ async def metrics(request: web.Request) -> web.Response:
     )
 
 
+def _admin_guard(token: str | None, policy: HostPolicy, handler: _Handler) -> _Handler:
+    """The bearer token (when set), then the browser checks of ``kiloserve.httpguard``."""
+
+    async def guarded(request: web.Request) -> web.StreamResponse:
+        if token is not None:
+            check_bearer(request.headers.get("Authorization"), token)
+        check_browser_request(request.method, request.headers, request.body_exists, policy)
+        return await handler(request)
+
+    return guarded
+
+
 async def get_faults(request: web.Request) -> web.Response:
     return _json(request.app[TWIN_KEY].faults.faults.to_json())
 
@@ -298,14 +319,32 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
 
 
 def create_app(
-    config: TwinConfig, *, timer: StepTimer | None = None, on_crash: CrashFn = os._exit
+    config: TwinConfig,
+    *,
+    timer: StepTimer | None = None,
+    on_crash: CrashFn = os._exit,
+    admin_token: str | None = None,
+    admin_allowed_hosts: Iterable[str] = (),
 ) -> web.Application:
     """The twin's aiohttp application; raises ``DoesNotFitError`` / ``ConfigError``.
 
     ``timer`` replaces the roofline step-time model; ``on_crash`` is what the crash
-    fault calls (``os._exit``; tests pass a recorder).
+    fault calls (``os._exit``; tests pass a recorder). ``admin_token``: when set,
+    ``/admin/faults`` needs it as a bearer token; ``admin_allowed_hosts``: names
+    (``name`` or ``name:port``) ``/admin/faults`` answers besides IP addresses,
+    localhost and ``config.host``.
     """
+    try:
+        policy = HostPolicy.of(config.host, admin_allowed_hosts, "--admin-allowed-host")
+    except ValueError as exc:
+        raise ConfigError(f"--admin-allowed-host: {exc}") from exc
     twin = build_twin(config, timer)
+    if admin_token is None and not is_loopback_host(config.host):
+        logger.warning(
+            "engine twin binds %s without --admin-token: anyone who can reach it may POST"
+            " /admin/faults (slow it down, hang or crash it)",
+            config.host,
+        )
     app = web.Application(middlewares=[error_middleware], client_max_size=64 * 1024**2)
     app[TWIN_KEY] = twin
     app[WATCHER_KEY] = DisconnectWatcher(twin.loop)
@@ -318,8 +357,8 @@ def create_app(
     app.router.add_get("/version", version)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_get("/metrics", metrics)
-    app.router.add_get("/admin/faults", get_faults)
-    app.router.add_post("/admin/faults", post_faults)
+    app.router.add_get("/admin/faults", _admin_guard(admin_token, policy, get_faults))
+    app.router.add_post("/admin/faults", _admin_guard(admin_token, policy, post_faults))
     return app
 
 
@@ -339,9 +378,17 @@ class TwinServer:
         timer: StepTimer | None = None,
         on_crash: CrashFn = os._exit,
         handler_cancellation: bool = True,
+        admin_token: str | None = None,
+        admin_allowed_hosts: Iterable[str] = (),
     ) -> None:
         self.config = config
-        self.app = create_app(config, timer=timer, on_crash=on_crash)
+        self.app = create_app(
+            config,
+            timer=timer,
+            on_crash=on_crash,
+            admin_token=admin_token,
+            admin_allowed_hosts=admin_allowed_hosts,
+        )
         self._runner = web.AppRunner(
             self.app,
             handler_cancellation=handler_cancellation,
@@ -378,9 +425,16 @@ class TwinServer:
         await self.stop()
 
 
-async def serve_twin(config: TwinConfig, stop: asyncio.Event | None = None) -> None:
+async def serve_twin(
+    config: TwinConfig,
+    stop: asyncio.Event | None = None,
+    *,
+    admin_token: str | None = None,
+    admin_allowed_hosts: Iterable[str] = (),
+) -> None:
     """Serve until ``stop`` is set (or SIGINT / SIGTERM when ``stop`` is None)."""
-    async with TwinServer(config) as server:
+    server = TwinServer(config, admin_token=admin_token, admin_allowed_hosts=admin_allowed_hosts)
+    async with server:
         twin = server.twin
         logger.info(
             "engine twin %s (%s on %d x %s) listening on %s",
@@ -398,7 +452,14 @@ async def serve_twin(config: TwinConfig, stop: asyncio.Event | None = None) -> N
         logger.info("engine twin shutting down")
 
 
-def run_twin(config: TwinConfig) -> int:
+def run_twin(
+    config: TwinConfig,
+    *,
+    admin_token: str | None = None,
+    admin_allowed_hosts: Iterable[str] = (),
+) -> int:
     """Run a twin in this process until SIGINT / SIGTERM; returns the exit code."""
-    asyncio.run(serve_twin(config))
+    asyncio.run(
+        serve_twin(config, admin_token=admin_token, admin_allowed_hosts=admin_allowed_hosts)
+    )
     return 0

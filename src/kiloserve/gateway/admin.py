@@ -2,7 +2,12 @@
 
 Protected by a bearer token when ``admin_token`` (or ``KILOSERVE_ADMIN_TOKEN``) is set
 (else 401); without a token only loopback clients (127.0.0.0/8, ::1) may call it (else
-403). Errors are raised and answered by the gateway's middleware (``gateway/errors.py``).
+403). Whoever calls, the operator's browser cannot be turned against it
+(``kiloserve.httpguard``): a ``Host`` other than an IP address, localhost, the bound
+host or a name in ``admin_allowed_hosts`` is 403 (DNS rebinding), so is a cross-origin
+``Origin`` or ``Sec-Fetch-Site: cross-site`` (CSRF), and a write (POST) with a body that
+is not ``application/json`` is 400. Errors are raised and answered by the gateway's
+middleware (``gateway/errors.py``).
 
 * ``GET  /admin/backends``               live state and weights of every backend
 * ``POST /admin/backends/{name}/drain``   stop routing new requests to a backend
@@ -12,25 +17,40 @@ Protected by a bearer token when ``admin_token`` (or ``KILOSERVE_ADMIN_TOKEN``) 
 Both GET answers carry ``"deployment": {"version", "config_hash"}`` (S5.5): the
 kiloserve version and a hash of the effective config (the same values as the
 ``kiloserve_gateway_info`` metric); each backend row names its models, version and GPU.
+
+``add_admin_routes`` also guards ``GET /metrics`` with ``metrics_token`` when one is
+set, and warns once when the gateway binds a non-loopback address with neither API
+keys nor an admin token.
 """
 
 from __future__ import annotations
 
 import hashlib
-import hmac
 import ipaddress
+import logging
 import time
 from collections.abc import Awaitable, Callable
 
 import orjson
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 
 from kiloserve import __version__
-from kiloserve.errors import ForbiddenError, UnauthorizedError
+from kiloserve.errors import ForbiddenError
 from kiloserve.gateway.config import GatewayConfig
+from kiloserve.httpguard import HostPolicy, check_bearer, check_browser_request, is_loopback_host
 from kiloserve.routing.table import BackendTable
 
-__all__ = ["add_admin_routes", "config_hash", "deployment_record", "is_loopback"]
+__all__ = [
+    "add_admin_routes",
+    "check_browser",
+    "config_hash",
+    "deployment_record",
+    "host_policy",
+    "is_loopback",
+]
+
+logger = logging.getLogger(__name__)
 
 _Handler = Callable[[web.Request], Awaitable[web.Response]]
 
@@ -58,19 +78,52 @@ def deployment_record(cfg: GatewayConfig) -> dict[str, str]:
     return {"version": __version__, "config_hash": config_hash(cfg)}
 
 
-def _guard(token: str | None, handler: _Handler) -> _Handler:
+def host_policy(cfg: GatewayConfig) -> HostPolicy:
+    """The ``Host`` / ``Origin`` names the admin API and the dashboard answer."""
+    return HostPolicy.of(cfg.host, cfg.admin_allowed_hosts, "admin_allowed_hosts")
+
+
+def check_browser(request: web.Request, policy: HostPolicy) -> None:
+    """``kiloserve.httpguard.check_browser_request`` on an aiohttp request: 403 for a
+    foreign ``Host`` / ``Origin`` or a cross-site fetch, 400 for a non-JSON write."""
+    check_browser_request(request.method, request.headers, request.body_exists, policy)
+
+
+def _guard(token: str | None, policy: HostPolicy, handler: _Handler) -> _Handler:
     async def guarded(request: web.Request) -> web.Response:
         if token is None:
             if not is_loopback(request.remote):
                 raise ForbiddenError("admin API is loopback-only without a token")
         else:
-            given = request.headers.get("authorization", "")
-            expected = f"Bearer {token}"
-            if not hmac.compare_digest(given.encode(), expected.encode()):
-                raise UnauthorizedError("missing or wrong admin bearer token")
+            check_bearer(request.headers.get("Authorization"), token)
+        check_browser(request, policy)
         return await handler(request)
 
     return guarded
+
+
+def _metrics_token_middleware(token: str) -> Middleware:
+    """``GET /metrics`` only with ``Authorization: Bearer <metrics_token>`` (401)."""
+
+    @web.middleware
+    async def metrics_token(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path == "/metrics":
+            check_bearer(request.headers.get("Authorization"), token)
+        return await handler(request)
+
+    return metrics_token
+
+
+def _warn_if_open(cfg: GatewayConfig, admin_token: str | None) -> None:
+    if is_loopback_host(cfg.host) or cfg.auth.keys or admin_token:
+        return
+    logger.warning(
+        "gateway binds %s with no API keys and no admin token: anyone who can reach it may"
+        " send requests%s (the admin API stays loopback-only); set auth.keys and"
+        " admin_token (docs/admission.md, docs/gateway.md)",
+        cfg.host,
+        "" if cfg.metrics_token else " and read /metrics",
+    )
 
 
 def _json(data: object) -> web.Response:
@@ -80,9 +133,14 @@ def _json(data: object) -> web.Response:
 def add_admin_routes(
     app: web.Application, cfg: GatewayConfig, table: BackendTable, policy_name: str
 ) -> None:
-    """Register the ``/admin/`` routes on ``app``."""
+    """Register the ``/admin/`` routes on ``app``; with ``metrics_token`` set, guard
+    ``/metrics`` (a middleware after the error middleware, so refusals are JSON)."""
     token = cfg.effective_admin_token()
+    policy = host_policy(cfg)
     deployment = deployment_record(cfg)
+    _warn_if_open(cfg, token)
+    if cfg.metrics_token:
+        app.middlewares.append(_metrics_token_middleware(cfg.metrics_token))
 
     async def backends(request: web.Request) -> web.Response:
         rows = table.describe(time.monotonic())
@@ -99,7 +157,10 @@ def add_admin_routes(
 
         return handler
 
-    app.router.add_get("/admin/backends", _guard(token, backends))
-    app.router.add_get("/admin/config", _guard(token, config))
-    app.router.add_post("/admin/backends/{name:.+}/drain", _guard(token, drain_handler(True)))
-    app.router.add_post("/admin/backends/{name:.+}/undrain", _guard(token, drain_handler(False)))
+    def guard(handler: _Handler) -> _Handler:
+        return _guard(token, policy, handler)
+
+    app.router.add_get("/admin/backends", guard(backends))
+    app.router.add_get("/admin/config", guard(config))
+    app.router.add_post("/admin/backends/{name:.+}/drain", guard(drain_handler(True)))
+    app.router.add_post("/admin/backends/{name:.+}/undrain", guard(drain_handler(False)))

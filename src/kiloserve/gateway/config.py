@@ -16,6 +16,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
@@ -28,6 +29,7 @@ from kiloserve.gateway.registry.settings import RegistryConfig
 from kiloserve.gateway.resilience.demotion import DemotionConfig
 from kiloserve.gateway.resilience.health import HealthConfig
 from kiloserve.gateway.resilience.outlier import OutlierConfig
+from kiloserve.httpguard import split_host
 from kiloserve.routing.config import BackendConfig
 from kiloserve.validation import model_at, unknown_keys_message
 
@@ -81,6 +83,10 @@ class GatewayConfig(_Strict):
     max_idle_connections: int = Field(default=256, ge=0)
     max_in_flight: int = Field(default=10_000, ge=1)
     admin_token: str | None = None
+    # names (``name`` or ``name:port``) the admin API and dashboard answer besides IP
+    # addresses, localhost and ``host`` (DNS rebinding guard; docs/gateway.md)
+    admin_allowed_hosts: list[str] = Field(default_factory=list)
+    metrics_token: str | None = None  # when set, GET /metrics needs it as a bearer token
     block_size: int = Field(default=16, ge=1)
     max_prefix_tokens: int = Field(default=2048, ge=0)
     default_output_tokens: int = Field(default=256, ge=1)
@@ -99,6 +105,13 @@ class GatewayConfig(_Strict):
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
     shutdown_grace_s: float = Field(default=30.0, ge=0.0)
 
+    @field_validator("admin_allowed_hosts")
+    @classmethod
+    def _host_names(cls, names: list[str]) -> list[str]:
+        for name in names:
+            split_host(name)  # ValueError: a malformed name (a URL, a path, a bad port)
+        return names
+
     @model_validator(mode="after")
     def _unique_backend_ids(self) -> GatewayConfig:
         ids = [b.backend_id for b in self.backends]
@@ -115,6 +128,7 @@ class GatewayConfig(_Strict):
         """The effective config as a dict with secrets replaced by ``"***"``."""
         data = self.model_dump(mode="json")
         data["admin_token"] = "***" if self.effective_admin_token() else None
+        data["metrics_token"] = "***" if self.metrics_token else None
         return data
 
 

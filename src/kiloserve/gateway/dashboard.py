@@ -9,7 +9,11 @@ the gateway's request counters and the ``DashboardRecorder`` ring buffers
 (``gateway/dashboard_state.py``), ticked once a second by a task of this module.
 
 Like the admin API without a token, the dashboard answers loopback clients only,
-unless ``dashboard.allow_remote`` is set (put it behind your own auth proxy then).
+unless ``dashboard.allow_remote`` is set (put it behind your own auth proxy then). Like
+the admin API, it refuses (403) a ``Host`` other than an IP address, localhost, the
+bound host or an ``admin_allowed_hosts`` name (DNS rebinding would let a page read the
+fleet's state), a cross-origin ``Origin`` and a cross-site fetch other than following a
+link (``kiloserve.httpguard``).
 """
 
 from __future__ import annotations
@@ -25,10 +29,11 @@ import orjson
 from aiohttp import web
 
 from kiloserve import __version__
-from kiloserve.gateway.admin import config_hash, is_loopback
+from kiloserve.gateway.admin import check_browser, config_hash, host_policy, is_loopback
 from kiloserve.gateway.dashboard_state import DashboardRecorder, RateCounts
 from kiloserve.gateway.metrics import GatewayMetrics
 from kiloserve.gateway.proxy import ProxyContext
+from kiloserve.httpguard import HostPolicy
 from kiloserve.policies.base import Decision, Outcome, RequestInfo
 from kiloserve.routing.table import BackendRecord
 
@@ -265,10 +270,11 @@ def _static_bytes(name: str) -> bytes:
     return (resources.files("kiloserve.gateway") / "static" / name).read_bytes()
 
 
-def _guard(allow_remote: bool, handler: _Handler) -> _Handler:
+def _guard(allow_remote: bool, policy: HostPolicy, handler: _Handler) -> _Handler:
     async def guarded(request: web.Request) -> web.StreamResponse:
         if not allow_remote and not is_loopback(request.remote):
             return web.Response(status=403, text="the dashboard is loopback-only\n")
+        check_browser(request, policy)
         return await handler(request)
 
     return guarded
@@ -299,6 +305,7 @@ def add_dashboard_routes(
     ctx.router.decision_listeners.append(on_decision)
     ctx.router.completion_listeners.append(on_complete)
     allow_remote = recorder.cfg.allow_remote
+    policy = host_policy(ctx.cfg)
     html = _static_bytes("dashboard.html")
     assets = {name: (_static_bytes(name), ctype) for name, ctype in STATIC_FILES.items()}
     started_s = time.monotonic()
@@ -320,9 +327,9 @@ def add_dashboard_routes(
         body = orjson.dumps(doc)
         return web.Response(body=body, content_type="application/json", headers=no_cache)
 
-    app.router.add_get("/dashboard", _guard(allow_remote, page))
-    app.router.add_get("/dashboard/state", _guard(allow_remote, state))
-    app.router.add_get("/dashboard/static/{name}", _guard(allow_remote, asset))
+    app.router.add_get("/dashboard", _guard(allow_remote, policy, page))
+    app.router.add_get("/dashboard/state", _guard(allow_remote, policy, state))
+    app.router.add_get("/dashboard/static/{name}", _guard(allow_remote, policy, asset))
     app[_TASKS_KEY] = []
     app.on_startup.append(_make_start(ctx, recorder))
     app.on_cleanup.append(_stop)
