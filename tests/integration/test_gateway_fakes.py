@@ -20,6 +20,7 @@ from aiohttp import web
 
 from kiloserve.gateway.app import create_gateway_app
 from kiloserve.gateway.config import GatewayConfig, parse_gateway_config
+from kiloserve.policies.base import Policy
 
 VLLM_METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
@@ -153,9 +154,13 @@ def gateway_config(backends: list[dict[str, Any]], **kw: Any) -> GatewayConfig:
 
 
 @contextlib.asynccontextmanager
-async def running_gateway(cfg: GatewayConfig, wait_ready: bool = True) -> AsyncIterator[str]:
-    """Serve the gateway on 127.0.0.1:0 and yield its base URL."""
-    runner = web.AppRunner(create_gateway_app(cfg), handler_cancellation=True, access_log=None)
+async def running_gateway(
+    cfg: GatewayConfig, wait_ready: bool = True, policy: Policy | None = None
+) -> AsyncIterator[str]:
+    """Serve the gateway on 127.0.0.1:0 and yield its base URL (``policy`` overrides
+    ``cfg.policy``)."""
+    app = create_gateway_app(cfg, policy=policy)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     try:
         site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -9,18 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import random
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
-from test_gateway_fakes import FakeBackend, fake_backends, gateway_config, wait_until_ready
+from test_gateway_fakes import FakeBackend, fake_backends, gateway_config, running_gateway
 
-from kiloserve.gateway.app import create_gateway_app
-from kiloserve.gateway.config import GatewayConfig
 from kiloserve.policies.base import ClusterSnapshot, Decision, Outcome, RequestInfo
 from kiloserve.policies.registry import create_policy
 
@@ -48,22 +43,6 @@ class CountingPolicy:
         self.inner.on_complete(request, backend_id, outcome)
 
 
-@contextlib.asynccontextmanager
-async def _gateway(cfg: GatewayConfig, policy: CountingPolicy) -> AsyncIterator[str]:
-    app = create_gateway_app(cfg, policy=policy)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        url = f"http://127.0.0.1:{port}"
-        await wait_until_ready(url)
-        yield url
-    finally:
-        await runner.cleanup()
-
-
 async def _post(s: aiohttp.ClientSession, url: str, rid: str, stream: bool) -> int:
     body: dict[str, Any] = {"model": "m", "prompt": "hello", "max_tokens": 4, "stream": stream}
     headers = {"x-request-id": rid}
@@ -83,7 +62,7 @@ async def test_one_choose_per_request(admission: bool) -> None:
         extra: dict[str, Any] = {"admission": adm} if admission else {}
         cfg = gateway_config(backends, **extra)
         policy = CountingPolicy()
-        async with _gateway(cfg, policy) as gw, aiohttp.ClientSession() as s:
+        async with running_gateway(cfg, policy=policy) as gw, aiohttp.ClientSession() as s:
             sequential = [await _post(s, gw, f"seq-{i}", stream=i % 2 == 0) for i in range(4)]
             concurrent = await asyncio.gather(
                 *(_post(s, gw, f"par-{i}", stream=i % 2 == 0) for i in range(8))
