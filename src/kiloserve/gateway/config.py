@@ -25,6 +25,7 @@ from kiloserve.gateway.admission.auth import AuthConfig
 from kiloserve.gateway.admission.queue import AdmissionConfig
 from kiloserve.gateway.admission.ratelimit import RateLimitConfig
 from kiloserve.gateway.dashboard_state import DashboardConfig
+from kiloserve.gateway.migrate import MigrationConfig
 from kiloserve.gateway.registry.settings import RegistryConfig
 from kiloserve.gateway.resilience.demotion import DemotionConfig
 from kiloserve.gateway.resilience.health import HealthConfig
@@ -103,6 +104,8 @@ class GatewayConfig(_Strict):
     outlier: OutlierConfig = Field(default_factory=OutlierConfig)
     demotion: DemotionConfig = Field(default_factory=DemotionConfig)
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
+    # mid-stream failover and stall detection (docs/gateway.md, "Mid-stream failover")
+    migration: MigrationConfig = Field(default_factory=MigrationConfig)
     shutdown_grace_s: float = Field(default=30.0, ge=0.0)
 
     @field_validator("admin_allowed_hosts")

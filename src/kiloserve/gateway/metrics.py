@@ -140,6 +140,13 @@ class _HotPathCollector(Collector):
                        ["model", "backend", "status"], m.requests)  # fmt: skip
         yield _counter("retries", "retries to a fallback backend, by failed backend and reason",
                        ["backend", "reason"], m.retries)  # fmt: skip
+        yield _counter("migrations", "mid-stream failovers to another backend, by reason",
+                       ["reason"], m.migrations)  # fmt: skip
+        tokens = CounterMetricFamily(
+            PREFIX + "migrated_tokens", "delivered tokens replayed as prompt by migrations"
+        )
+        tokens.add_metric([], m.migrated_tokens)
+        yield tokens
         yield _counter("routing_decisions", "routing decisions by policy and chosen backend",
                        ["policy", "backend"], m.decisions)  # fmt: skip
         yield _histogram("ttft_seconds", "time to first token", m.ttft)
@@ -175,6 +182,8 @@ class GatewayMetrics:
         self.requests: dict[tuple[str, ...], int] = {}
         self.retries: dict[tuple[str, ...], int] = {}
         self.decisions: dict[tuple[str, ...], int] = {}
+        self.migrations: dict[tuple[str, ...], int] = {}
+        self.migrated_tokens = 0
         self.ttft: dict[str, _Histogram] = {}
         self.itl: dict[str, _Histogram] = {}
         self.e2e: dict[str, _Histogram] = {}
@@ -207,6 +216,11 @@ class GatewayMetrics:
 
     def retry(self, backend: str, reason: str) -> None:
         self._inc(self.retries, (backend, reason))
+
+    def migration(self, reason: str, replayed_tokens: int) -> None:
+        """A stream continued on another backend (``reason``: crash, error, stall)."""
+        self._inc(self.migrations, (reason,))
+        self.migrated_tokens += replayed_tokens
 
     def decision(self, policy: str, backend: str) -> None:
         self._inc(self.decisions, (policy, backend))

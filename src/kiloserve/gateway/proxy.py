@@ -9,6 +9,15 @@ by ``gateway/errors.py``).
 When the client goes away the upstream response is closed, so the engine aborts the
 request and frees its KV.
 
+Mid-stream failover (docs/gateway.md, "Mid-stream failover"): a stream whose backend
+breaks (``crash``) or goes silent for the stall timeout (``stall``) after bytes reached
+the client is continued on the next backend of the same ranked list, at most
+``migration.max_attempts`` times; ``gateway/migrate.py`` rewrites the request and
+splices the continuation's events. The bytes written are kept (one list append per
+write) and parsed only on failure. The failed attempt is accounted as failed (502, or
+504 for a stall) before the continuation is dispatched; each continuation is an attempt
+of its own. When no continuation succeeds the client gets the SSE error event as before.
+
 Every attempt is accounted exactly once (``_Attempt.finish`` -> ``Router.complete``)
 and its upstream response is always released or closed, however it ends: an answer,
 an upstream failure, a time-out, the client gone before or while the response is
@@ -22,6 +31,7 @@ and any header a ``Connection`` header names) and what the gateway sets itself.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +43,16 @@ from kiloserve.errors import BackendError, BadGatewayError, GatewayTimeoutError
 from kiloserve.gateway.config import GatewayConfig
 from kiloserve.gateway.dashboard_state import DashboardRecorder
 from kiloserve.gateway.metrics import GatewayMetrics
+from kiloserve.gateway.migrate import (
+    MIGRATE_HEADER,
+    Splicer,
+    continuation_body,
+    end_events,
+    migratable,
+    migration_requested,
+    parse_delivered,
+    stall_timeout_s,
+)
 from kiloserve.gateway.profile import Profiler
 from kiloserve.gateway.sse import SseRelay
 from kiloserve.gateway.upstream import UpstreamPool, UpstreamResponse, header_tokens
@@ -101,6 +121,16 @@ class _Call:
     strip_usage: bool
     deadline: float
     loop: asyncio.AbstractEventLoop
+    body: dict[str, Any] | None = None  # the client's request, kept when it may migrate
+    ranked: tuple[str, ...] = ()  # the decision's backends, for continuations
+
+
+@dataclass(slots=True)
+class _Cut:
+    """A stream broken after bytes reached the client, that may be continued."""
+
+    reason: str  # crash, error or stall
+    sent: list[bytes]  # the bytes written to the client so far
 
 
 @dataclass(slots=True)
@@ -220,7 +250,7 @@ class _Attempt:
 
 
 async def _try_backend(
-    ctx: ProxyContext, call: _Call, att: _Attempt
+    ctx: ProxyContext, call: _Call, att: _Attempt, payload: bytes | None = None
 ) -> tuple[UpstreamResponse, bytes] | _Failure:
     """Open the upstream request and wait for its first byte, bounded by the timeouts."""
     loop_time = att.loop.time()
@@ -234,7 +264,8 @@ async def _try_backend(
             ours = {"Content-Type": "application/json", REQUEST_ID_HEADER: call.info.request_id}
             drop = _NOT_FORWARDED_WITH_KEYS if cfg.auth.keys else _NOT_FORWARDED
             theirs = _client_headers(call.request, drop)
-            resp = await ctx.upstream.post(base_url, call.path, call.payload, ours, theirs)
+            body = call.payload if payload is None else payload
+            resp = await ctx.upstream.post(base_url, call.path, body, ours, theirs)
             if _retryable_status(resp.status) or resp.status != 200 or not call.is_stream:
                 body = await resp.read()
                 return resp, body
@@ -271,6 +302,58 @@ def _whole_response(
     return web.Response(status=resp.status, body=body, headers=headers)
 
 
+class _Watchdog:
+    """Stall detection: closes the upstream response once no event came for
+    ``timeout_s`` (one timer per stream, re-armed from the last event's time: nothing is
+    done per chunk); ``readany`` then ends and ``stalled`` says why.
+
+    Until a token came (a chat stream's first event is the role chunk, which an engine
+    may send before the prompt is even scheduled) the bound is the first-byte time-out:
+    a queued request is not a stalled one."""
+
+    __slots__ = ("att", "first_s", "handle", "min_events", "relay", "resp", "stalled", "timeout_s")
+
+    def __init__(
+        self, att: _Attempt, resp: UpstreamResponse, relay: SseRelay, timeout_s: float,
+        first_s: float, min_events: int,
+    ) -> None:  # fmt: skip
+        self.att = att
+        self.resp = resp
+        self.relay = relay
+        self.timeout_s = timeout_s
+        self.first_s = max(first_s, timeout_s)
+        self.min_events = min_events
+        self.stalled = False
+        self.handle = att.loop.call_later(timeout_s, self._check)
+
+    def _check(self) -> None:
+        limit_s = self.timeout_s if self.relay.num_events > self.min_events else self.first_s
+        idle_s = self.att.loop.time() - self.att.last_chunk_at
+        if idle_s >= limit_s:
+            self.stalled = True
+            self.resp.close()
+        else:
+            self.handle = self.att.loop.call_later(limit_s - idle_s, self._check)
+
+    def cancel(self) -> None:
+        self.handle.cancel()
+
+
+def _watchdog(
+    ctx: ProxyContext, call: _Call, att: _Attempt, resp: UpstreamResponse, relay: SseRelay
+) -> _Watchdog | None:
+    mig = ctx.cfg.migration
+    if not mig.stall_detection:
+        return None
+    try:
+        tpot_ms = ctx.table.state(att.backend_id).ewma_tpot_ms
+    except KeyError:  # removed meanwhile
+        tpot_ms = None
+    min_events = 1 if call.path.endswith("/chat/completions") else 0
+    timeout_s = stall_timeout_s(mig, tpot_ms)
+    return _Watchdog(att, resp, relay, timeout_s, ctx.cfg.first_byte_timeout_s, min_events)
+
+
 async def _pump(
     ctx: ProxyContext,
     att: _Attempt,
@@ -278,6 +361,9 @@ async def _pump(
     out: web.StreamResponse,
     relay: SseRelay,
     chunk: bytes,
+    sent: list[bytes] | None,
+    splicer: Splicer | None,
+    dog: _Watchdog | None,
 ) -> None:
     observe_itl = ctx.metrics.observe_itl
     loop_time = att.loop.time
@@ -290,45 +376,81 @@ async def _pump(
             else:
                 observe_itl(att.backend_id, now - att.last_chunk_at)
             att.last_chunk_at = now
-            await out.write(data)
+            if splicer is not None:
+                data = splicer.feed(data)
+            if sent is not None:
+                sent.append(data)
+            if data:
+                await out.write(data)
         chunk = await resp.readany()
+    if dog is not None and dog.stalled:
+        return  # cut by the stall timeout: a partial event stays unsent
     rest = relay.flush()
     if rest:
         await out.write(rest)
 
 
-async def _relay(
-    ctx: ProxyContext, call: _Call, att: _Attempt, resp: UpstreamResponse, first: bytes
-) -> tuple[web.StreamResponse, int]:
-    """Stream the upstream SSE body to the client as it arrives; returns (response, status).
+async def _stream(
+    ctx: ProxyContext,
+    call: _Call,
+    att: _Attempt,
+    resp: UpstreamResponse,
+    out: web.StreamResponse,
+    first: bytes,
+    sent: list[bytes] | None,
+    splicer: Splicer | None = None,
+) -> tuple[int, str | None]:
+    """Relay one upstream stream into ``out``; returns (status, why it broke: crash,
+    error or stall, None when it did not break mid-stream or cannot be continued).
 
     A client already gone when the response is prepared (``prepare`` raises
     ``ClientConnectionResetError``) or during a write ends it with 499; aiohttp then
     finds the response unwritable and drops the connection quietly."""
-    headers = _relayed_headers(call, att.backend_id, resp, "text/event-stream")
-    out = web.StreamResponse(status=resp.status, headers=headers)
-    out.headers.setdefault("Cache-Control", "no-cache")
-    relay = SseRelay(strip_usage=call.strip_usage)
-    status = 200
+    relay = SseRelay(strip_usage=call.strip_usage and splicer is None)
+    dog = _watchdog(ctx, call, att, resp, relay)
+    status, reason = 200, None
     try:
         async with asyncio.timeout(call.deadline - att.loop.time()):
-            await out.prepare(call.request)
-            await _pump(ctx, att, resp, out, relay, first)
+            if not out.prepared:
+                await out.prepare(call.request)
+            await _pump(ctx, att, resp, out, relay, first, sent, splicer, dog)
     except ConnectionError:  # the client went away (aiohttp's ClientConnectionResetError)
         status = _CLIENT_GONE
     except TimeoutError:
         status = 504
-    except (BackendError, OSError):
-        status = 502
+    except BackendError:
+        status, reason = 502, "crash"
+    except OSError:
+        status, reason = 502, "error"
+    finally:
+        if dog is not None:
+            dog.cancel()
+    if dog is not None and dog.stalled and status == 200:
+        status, reason = 504, "stall"
     att.output_tokens = relay.completion_tokens or max(0, relay.num_events - 1)
     if status != 200:
         logger.warning(
             "request_id=%s backend=%s stream ended early (status %d)",
             call.info.request_id, att.backend_id, status,
         )  # fmt: skip
-        if status != _CLIENT_GONE:
-            await _stream_error_event(out, status)
-    return out, status
+    return status, reason
+
+
+async def _relay(
+    ctx: ProxyContext, call: _Call, att: _Attempt, resp: UpstreamResponse, first: bytes
+) -> tuple[web.StreamResponse, int, _Cut | None]:
+    """Stream the upstream SSE body to the client as it arrives; returns (response,
+    status, the cut to continue elsewhere or None)."""
+    headers = _relayed_headers(call, att.backend_id, resp, "text/event-stream")
+    out = web.StreamResponse(status=resp.status, headers=headers)
+    out.headers.setdefault("Cache-Control", "no-cache")
+    sent: list[bytes] | None = [] if call.body is not None else None
+    status, reason = await _stream(ctx, call, att, resp, out, first, sent)
+    if reason is not None and sent is not None:
+        return out, status, _Cut(reason, sent)
+    if status != 200 and status != _CLIENT_GONE:
+        await _stream_error_event(out, status)
+    return out, status, None
 
 
 async def _stream_error_event(out: web.StreamResponse, status: int) -> None:
@@ -345,9 +467,10 @@ async def _serve(
     ctx: ProxyContext, call: _Call, att: _Attempt, resp: UpstreamResponse, first: bytes
 ) -> web.StreamResponse:
     """Answer the client from an upstream response that will not be retried."""
+    cut = None
     try:
         if resp.status == 200 and call.is_stream:
-            out, status = await _relay(ctx, call, att, resp, first)
+            out, status, cut = await _relay(ctx, call, att, resp, first)
         else:
             out, status = _whole_response(call, att, resp, first), resp.status
     except BaseException:  # cancelled (client gone) or a bug: ``_attempt`` accounts it
@@ -358,7 +481,92 @@ async def _serve(
     else:
         resp.close()
     att.finish(ok=status < 500 and status != _CLIENT_GONE, status=status)
+    if cut is not None:  # the failed attempt is accounted: continue elsewhere
+        await _migrate(ctx, call, att.backend_id, out, cut, status)
     return out
+
+
+async def _continue_on(
+    ctx: ProxyContext, call: _Call, att: _Attempt, out: web.StreamResponse,
+    sent: list[bytes], splicer: Splicer, payload: bytes,
+) -> tuple[int, str | None]:  # fmt: skip
+    """One continuation attempt (dispatched by the caller); accounted here."""
+    got = await _try_backend(ctx, call, att, payload)
+    if isinstance(got, _Failure):
+        att.finish(ok=False, status=got.status)
+        return got.status, "error"
+    resp, first = got
+    if resp.status != 200:
+        resp.release()
+        att.finish(ok=False, status=resp.status)
+        retryable = _retryable_status(resp.status)
+        return (resp.status if retryable else 502), ("error" if retryable else None)
+    try:
+        status, reason = await _stream(ctx, call, att, resp, out, first, sent, splicer)
+    except BaseException:
+        resp.close()
+        raise
+    if status == 200:
+        resp.release()
+    else:
+        resp.close()
+    att.finish(ok=status < 500 and status != _CLIENT_GONE, status=status)
+    return status, reason
+
+
+async def _migrate(
+    ctx: ProxyContext, call: _Call, failed_id: str, out: web.StreamResponse, cut: _Cut,
+    status: int,
+) -> None:  # fmt: skip
+    """Continue a cut stream on the next backends of the ranked list; when none
+    succeeds, end it with the SSE error event."""
+    assert call.body is not None
+    failed = {failed_id}
+    reason: str | None = cut.reason
+    for _ in range(ctx.cfg.migration.max_attempts):
+        if reason is None or call.loop.time() >= call.deadline:
+            break
+        delivered = parse_delivered(cut.sent)
+        if delivered.done:  # the client has the whole stream: nothing to add
+            return
+        if delivered.has_other:
+            break
+        body = None
+        if delivered.finish_reason is None:
+            body = continuation_body(call.path, call.body, delivered)
+        if body is None:  # every token was delivered: end the stream here
+            end = end_events(delivered, call.info.input_tokens, with_usage=not call.strip_usage)
+            with contextlib.suppress(OSError):
+                await out.write(end)
+            return
+        table = ctx.table
+        backend_id = next(
+            (b for b in call.ranked if b not in failed and table.is_routable(b)), None
+        )
+        if backend_id is None:
+            break
+        ctx.metrics.migration(reason, delivered.num_tokens)
+        logger.warning(
+            "request_id=%s backend=%s failed mid-stream (%s) after %d tokens; continuing on %s",
+            call.info.request_id, failed_id, reason, delivered.num_tokens, backend_id,
+        )  # fmt: skip
+        att = _Attempt(ctx, call, backend_id)
+        att.dispatch()
+        splicer = Splicer(delivered, strip_usage=call.strip_usage)
+        try:
+            status, reason = await _continue_on(
+                ctx, call, att, out, cut.sent, splicer, orjson.dumps(body)
+            )
+        except BaseException as exc:
+            gone = isinstance(exc, asyncio.CancelledError | ConnectionError)
+            att.finish(ok=False, status=_CLIENT_GONE if gone else 500)
+            raise
+        if status == 200 or status == _CLIENT_GONE:
+            return
+        failed.add(backend_id)
+        failed_id = backend_id
+    if status != _CLIENT_GONE:
+        await _stream_error_event(out, 502 if status < 500 else status)
 
 
 async def _attempt(
@@ -416,6 +624,15 @@ async def forward(
         request, path, payload, info, user if isinstance(user, str) else None,
         is_stream, strip_usage, loop.time() + ctx.cfg.request_timeout_s, loop,
     )  # fmt: skip
+    mig = ctx.cfg.migration
+    if (
+        is_stream
+        and mig.enabled
+        and mig.max_attempts > 0
+        and migratable(path, body)
+        and migration_requested(request.headers.get(MIGRATE_HEADER))
+    ):
+        call.body, call.ranked = body, decision.ranked
     candidates = decision.ranked[: ctx.cfg.retries + 1]
     failure = _Failure("deadline_exceeded", status=504)
     backend_id = candidates[0]
