@@ -24,6 +24,7 @@ from test_gateway_fakes import gateway_config, running_gateway
 from test_gateway_twins import MODEL, twins
 
 from conftest import FixedStepTimer
+from kiloserve.engine.protocol import render_chat
 from kiloserve.engine.server import TwinServer
 from kiloserve.engine.twin import TwinConfig
 from kiloserve.launch.cluster import free_port
@@ -143,8 +144,8 @@ def _check(st: _Stream, max_tokens: int, *, chat: bool, usage: bool) -> None:
         assert len(usages) == 1 and chunks[-1].get("usage"), chunks[-2:]
         u = usages[0]
         assert u["completion_tokens"] == max_tokens
-        if not chat:
-            assert u["prompt_tokens"] == count_tokens(PROMPT)
+        # the original prompt counted once (the continuation's prompt minus what it replays)
+        assert u["prompt_tokens"] == count_tokens(_chat_prompt() if chat else PROMPT)
         assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
     else:
         assert usages == []
@@ -177,6 +178,11 @@ async def _in_flight_drained(gw: str) -> None:
             return
         await asyncio.sleep(0.02)
     raise AssertionError(f"in_flight never went back to 0: {await _backends(gw)}")
+
+
+def _chat_prompt() -> str:
+    """The prompt text the twin's chat template renders for the test's messages."""
+    return render_chat([{"role": "user", "content": PROMPT}])
 
 
 def _bodies(max_tokens: int, *, chat: bool = False) -> list[dict[str, Any]]:

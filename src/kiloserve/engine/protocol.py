@@ -38,6 +38,7 @@ __all__ = [
     "ChunkEncoder",
     "GenerationRequest",
     "TokenizeFn",
+    "chat_template_flags",
     "load_tokenizer",
     "natural_output_tokens",
     "next_stream_chunks",
@@ -47,6 +48,7 @@ __all__ = [
     "parse_completion",
     "plan_output",
     "render_chat",
+    "render_chat_body",
 ]
 
 TokenizeFn = Callable[[str], list[int]]
@@ -217,12 +219,50 @@ def _message_text(message: object, index: int) -> tuple[str, str]:
     raise _field_error(param, f"{param}.content must be a string or a list of text parts")
 
 
-def render_chat(messages: object) -> str:
-    """The twin's chat template applied to ``messages`` (with the generation prompt)."""
+def render_chat(
+    messages: object, *, add_generation_prompt: bool = True, continue_final_message: bool = False
+) -> str:
+    """The twin's chat template applied to ``messages``.
+
+    As vLLM's chat parameters: ``add_generation_prompt`` (default on) ends with the
+    assistant header; ``continue_final_message`` renders the last message (which must
+    be the assistant's) open, without its end, so the model continues it. Both on is an
+    error, as in vLLM.
+    """
     if not isinstance(messages, list) or not messages:
         raise _field_error("messages", "'messages' must be a non-empty list")
+    if add_generation_prompt and continue_final_message:
+        raise _field_error(
+            "continue_final_message",
+            "continue_final_message and add_generation_prompt cannot both be true",
+        )
     pairs = [_message_text(m, i) for i, m in enumerate(messages)]
-    return "".join(f"<|{role}|>\n{content}\n" for role, content in pairs) + "<|assistant|>\n"
+    if continue_final_message:
+        if pairs[-1][0] != "assistant":
+            raise _field_error(
+                "continue_final_message", "continue_final_message needs a final assistant message"
+            )
+        head = "".join(f"<|{role}|>\n{content}\n" for role, content in pairs[:-1])
+        return head + f"<|assistant|>\n{pairs[-1][1]}"
+    text = "".join(f"<|{role}|>\n{content}\n" for role, content in pairs)
+    return text + "<|assistant|>\n" if add_generation_prompt else text
+
+
+def chat_template_flags(body: dict[str, object]) -> tuple[bool, bool]:
+    """``(add_generation_prompt, continue_final_message)`` of a chat body (400 if not bools)."""
+    flags = []
+    for key, default in (("add_generation_prompt", True), ("continue_final_message", False)):
+        value = body.get(key, default)
+        if not isinstance(value, bool):
+            raise _field_error(key, f"'{key}' must be a boolean")
+        flags.append(value)
+    return flags[0], flags[1]
+
+
+def render_chat_body(body: dict[str, object]) -> str:
+    """``render_chat`` of a chat body's ``messages`` with its template flags."""
+    add, cont = chat_template_flags(body)
+    return render_chat(body["messages"], add_generation_prompt=add, continue_final_message=cont)
 
 
 def parse_chat(raw: object, tokenize: TokenizeFn) -> GenerationRequest:
@@ -230,7 +270,7 @@ def parse_chat(raw: object, tokenize: TokenizeFn) -> GenerationRequest:
     body = _as_object(raw)
     if "messages" not in body:
         raise _field_error("messages", "missing required field 'messages'")
-    return _common(body, "chat", tokenize(render_chat(body["messages"])))
+    return _common(body, "chat", tokenize(render_chat_body(body)))
 
 
 def natural_output_tokens(prompt_token_ids: list[int]) -> int:

@@ -42,7 +42,7 @@ from kiloserve.engine.protocol import (
     parse_chat,
     parse_completion,
     plan_output,
-    render_chat,
+    render_chat_body,
 )
 from kiloserve.engine.twin import (
     DisconnectWatcher,
@@ -261,7 +261,7 @@ async def tokenize(request: web.Request) -> web.Response:
         raise RequestError("request body must be a JSON object")
     _check_model(twin, body.get("model") if isinstance(body.get("model"), str) else None)
     if "messages" in body:
-        ids = twin.tokenize(render_chat(body["messages"]))
+        ids = twin.tokenize(render_chat_body(body))
     elif isinstance(body.get("prompt"), str):
         ids = twin.tokenize(str(body["prompt"]))
     else:

@@ -14,6 +14,7 @@ from kiloserve.engine.protocol import (
     DONE_EVENT,
     ChunkEncoder,
     GenerationRequest,
+    chat_template_flags,
     natural_output_tokens,
     next_stream_chunks,
     output_text,
@@ -22,6 +23,7 @@ from kiloserve.engine.protocol import (
     parse_completion,
     plan_output,
     render_chat,
+    render_chat_body,
 )
 from kiloserve.engine.sequence import output_token_id, output_word
 from kiloserve.errors import RequestError
@@ -247,3 +249,42 @@ def test_next_stream_chunks_finish_and_stall() -> None:
     assert b'finish_reason":"stop' not in data
     data, num_sent, is_stalled = next_stream_chunks(enc, 4, 6, None, 3)  # stall set late
     assert (data, num_sent, is_stalled) == (b"", 4, True)
+
+
+def test_chat_template_flags_as_vllm() -> None:
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Hello, wor"},
+    ]
+    full = "<|user|>\nhi\n<|assistant|>\nHello, wor\n"
+    assert render_chat(messages) == full + "<|assistant|>\n"
+    assert render_chat(messages, add_generation_prompt=False) == full
+    # the final assistant message stays open: the model continues it
+    assert (
+        render_chat(messages, add_generation_prompt=False, continue_final_message=True)
+        == "<|user|>\nhi\n<|assistant|>\nHello, wor"
+    )
+    body: dict[str, object] = {
+        "messages": messages, "add_generation_prompt": False, "continue_final_message": True,
+    }  # fmt: skip
+    assert chat_template_flags(body) == (False, True)
+    assert render_chat_body(body).endswith("Hello, wor")
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"continue_final_message": True}, "continue_final_message"),  # both on
+        ({"add_generation_prompt": "no"}, "add_generation_prompt"),
+        (
+            {"add_generation_prompt": False, "continue_final_message": True, "last": "user"},
+            "continue_final_message",
+        ),
+    ],
+)
+def test_chat_template_flag_errors(body: dict[str, object], param: str) -> None:
+    last = body.pop("last", "assistant")
+    body["messages"] = [{"role": "user", "content": "q"}, {"role": last, "content": "a"}]
+    with pytest.raises(RequestError) as err:
+        render_chat_body(body)
+    assert err.value.param == param
