@@ -50,7 +50,10 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_cluster_config(args.config)
     report = asyncio.run(run_drills(cfg, names, options_from_args(args), Path(args.out)))
     for name, row in report.items():
-        keys = ("sent", "failed", "failed_not_started", "streams_cut", "detect_s", "recover_s")
+        keys = (
+            "sent", "failed", "failed_not_started", "streams_cut", "user_visible_failures",
+            "detect_s", "recover_s",
+        )  # fmt: skip
         print(
             name,
             orjson.dumps({k: row[k] for k in keys} | {"ttft_p95_ms": row["ttft_p95_ms"]}).decode(),

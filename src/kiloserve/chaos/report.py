@@ -3,12 +3,14 @@
 Per scenario (the keys are the Interface of issue 6)::
 
     sent, succeeded, failed, failed_not_started, streams_cut, retried,
-    detect_s, recover_s, ttft_p95_ms: {before, during, after}
+    detect_s, recover_s, ttft_p95_ms: {before, during, after}, user_visible_failures
 
 plus ``failed_reasons`` (reason -> count), ``cut_without_error_event`` and the
 timeline. A failed request counts in ``failed_not_started`` when it had received no
 byte when the last fault before its end hit (so it should have been retried), and in
-``streams_cut`` otherwise. Requests still running when the load stopped are left out.
+``streams_cut`` otherwise. ``user_visible_failures`` counts every request the user saw
+fail or cut, started or not (the target of issue 15 is 0 in every scenario). Requests
+still running when the load stopped are left out.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ def build_report(results: Sequence[RequestResult], t: Timeline, retried: int) ->
         "failed": len(failed),
         "failed_not_started": len(not_started),
         "streams_cut": len(cut),
+        "user_visible_failures": len(failed),
         "cut_without_error_event": sum(1 for r in cut if not r.saw_error_event),
         "failed_reasons": dict(Counter(r.reason for r in failed)),
         "retried": retried,

@@ -6,6 +6,7 @@ reaction is recognised (detected / recovered), read from ``/admin/backends`` and
 * ``hang``             the backend accepts and never answers (twin fault ``hang``)
 * ``slow``             every step 4x slower (twin fault ``slowdown: 4``)
 * ``errors``           half the requests answer 500
+* ``stall``            streams go silent after 5 tokens (twin fault ``stall_after_tokens``)
 * ``flap``             killed and restarted every ``flap_period_s`` during the window
                        (at least twice)
 * ``etcd-down``        the registry (etcd) is stopped for the window (etcd mode)
@@ -163,6 +164,7 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("hang", _twin({"hang": True}), _unhealthy, _back),
         Scenario("slow", _twin({"slowdown": 4.0}), _demoted, _back),
         Scenario("errors", _twin({"error_rate": 0.5, "status": 500}), _unhealthy, _back),
+        Scenario("stall", _twin({"stall_after_tokens": 5}), _unhealthy, _back),
         Scenario("flap", _flap, _unhealthy, _back),
         Scenario("etcd-down", _etcd_down, _registry_down, _registry_up, needs_etcd=True),
         Scenario("rolling-restart", _rolling, None, _all_back),
