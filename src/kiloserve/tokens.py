@@ -24,6 +24,7 @@ __all__ = [
     "FILLER_WORDS",
     "MAX_TOKEN_ID",
     "block_hashes",
+    "chunk_bounds",
     "count_tokens",
     "estimate_tokens",
     "filler_text",
@@ -34,6 +35,7 @@ CHARS_PER_PIECE = 4
 DEFAULT_VOCAB = 128_000
 MAX_TOKEN_ID = 2**32 - 1  # block hashes pack each id in 4 bytes
 _PIECE = re.compile(r" ?[^\s]{1,4}|[^\S]+|[^\s]{1,4}")
+_WORD_END = re.compile(r"\S\s")  # a non-space character followed by whitespace
 
 # Short words (<= 4 chars) used for deterministic prompt and output text.
 FILLER_WORDS: tuple[str, ...] = (
@@ -107,6 +109,22 @@ def tokenize(text: str, vocab_size: int = DEFAULT_VOCAB) -> list[int]:
 def count_tokens(text: str) -> int:
     """Number of tokens ``tokenize`` would return, without hashing."""
     return len(_pieces(text))
+
+
+def chunk_bounds(text: str, size: int) -> list[tuple[int, int]]:
+    """``(start, end)`` slices of ``text``, each about ``size`` characters or more, cut
+    only where a whitespace run starts after a word: no piece spans a cut, so
+    ``count_tokens`` / ``tokenize`` of the slices add up to those of the whole text
+    (lets a caller process a long prompt in steps, e.g. yielding to an event loop)."""
+    bounds: list[tuple[int, int]] = []
+    start = 0
+    n = len(text)
+    while start < n:
+        found = _WORD_END.search(text, min(start + max(size, 1), n) - 1)
+        end = n if found is None else found.start() + 1
+        bounds.append((start, end))
+        start = end
+    return bounds
 
 
 def estimate_tokens(num_chars: int) -> int:

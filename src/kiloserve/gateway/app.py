@@ -13,6 +13,14 @@ The front door checks what the proxy relies on: the body decodes (``Content-Enco
 none / identity / gzip / deflate, or br / zstd where aiohttp can decode them), is a JSON
 object with a ``model``, ``stream`` is a boolean and ``stream_options`` an object;
 anything else is a 400 naming the field.
+
+Limits (issue 15; docs/gateway.md, "Limits and timeouts"): ``max_in_flight`` and
+``max_buffered_body_bytes`` are checked before a body is read (503 ``overloaded``), a
+body that stalls for ``client_body_timeout_s`` closes its connection, idle keep-alive
+connections close after ``keepalive_timeout_s``, and bodies over
+``profile_offload_bytes`` are profiled without holding the event loop. Run the app with
+``make_runner(app, cfg)`` (``gateway/limits.py``) for the request-head timeout and the
+connection cap, which live in the protocol handler.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import aiohttp
@@ -45,6 +53,7 @@ from kiloserve.gateway.config import GatewayConfig
 from kiloserve.gateway.dashboard import add_dashboard_routes
 from kiloserve.gateway.dashboard_state import DashboardRecorder
 from kiloserve.gateway.errors import ProtocolErrorLog, error_middleware
+from kiloserve.gateway.limits import BodyBudget, accept_error_filter, make_runner
 from kiloserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from kiloserve.gateway.profile import Profiler
 from kiloserve.gateway.proxy import REQUEST_ID_HEADER, ProxyContext, forward
@@ -56,7 +65,15 @@ from kiloserve.policies.base import Decision, Policy, RequestInfo
 from kiloserve.routing.router import Router
 from kiloserve.routing.table import BackendTable
 
-__all__ = ["CTX_KEY", "METRICS_KEY", "TABLE_KEY", "create_gateway_app", "create_policy_for"]
+__all__ = [
+    "BODY_BUDGET_KEY",
+    "CTX_KEY",
+    "METRICS_KEY",
+    "TABLE_KEY",
+    "create_gateway_app",
+    "create_policy_for",
+    "make_runner",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +96,8 @@ _TASKS_KEY = web.AppKey("kiloserve_gateway_tasks", list)
 _SESSION_KEY = web.AppKey("kiloserve_gateway_session", aiohttp.ClientSession)
 _IDS_KEY = web.AppKey("kiloserve_gateway_ids", _RequestIds)
 RESILIENCE_KEY = web.AppKey("kiloserve_gateway_resilience", Resilience)
+BODY_BUDGET_KEY = web.AppKey("kiloserve_gateway_bodies", BodyBudget)
+_LOOP_HANDLER_KEY = web.AppKey("kiloserve_gateway_loop_handler", list)
 _MAX_REQUEST_ID_CHARS = 128
 # the request's id, kept on the request; aiohttp >= 3.13 wants a RequestKey, older has none
 _RID_KEY: Any = (
@@ -119,7 +138,32 @@ def _request_id(request: web.Request) -> str:
 _DECODED_ENCODINGS = frozenset({"", "identity", "gzip", "deflate", "br", "zstd"})
 
 
-async def _read_body(request: web.Request, max_body_bytes: int) -> bytes:
+async def _body_chunks(request: web.Request, timeout_s: float) -> AsyncIterator[bytes]:
+    """The decoded body's chunks; ``TimeoutError`` when none comes for ``timeout_s``."""
+    content = request.content
+    while True:
+        if content.is_eof():  # the rest is buffered already: no wait, no timer
+            chunk = await content.readany()
+        else:
+            async with asyncio.timeout(timeout_s):
+                chunk = await content.readany()
+        if not chunk:
+            return
+        yield chunk
+
+
+def _overloaded(what: str) -> UnavailableError:
+    return UnavailableError(
+        f"the gateway is at its {what} limit; retry later", code="overloaded", retry_after_s=1
+    )
+
+
+async def _read_body(request: web.Request, cfg: GatewayConfig, budget: BodyBudget) -> bytes:
+    """The decoded body, read only when it fits ``max_buffered_body_bytes`` (reserved
+    from ``Content-Length`` before reading, chunked bodies as they arrive; on success
+    ``len(body)`` stays reserved for the caller to release). A client that sends
+    nothing for ``client_body_timeout_s`` is disconnected."""
+    max_body_bytes = cfg.max_body_bytes
     length = request.content_length
     if length is not None and length > max_body_bytes:
         raise PayloadTooLargeError(f"request body over the {max_body_bytes}-byte limit")
@@ -131,17 +175,45 @@ async def _read_body(request: web.Request, max_body_bytes: int) -> bytes:
             "uncompressed, or gzip / deflate encoded",
             code="unsupported_content_encoding",
         )
+    reserved = length or 0
+    if not budget.try_reserve(reserved):
+        raise _overloaded("buffered request body (max_buffered_body_bytes)")
+    chunks: list[bytes] = []
+    num_bytes = 0
+    budget.num_reading += 1
     try:
-        return await request.read()
-    except web.HTTPRequestEntityTooLarge as exc:
-        raise PayloadTooLargeError(f"request body over the {max_body_bytes}-byte limit") from exc
-    except web.RequestPayloadError as exc:  # bad gzip / deflate, bad chunking, cut short
-        reason = clip(str(exc).replace("\n", " ").strip(), 200)
-        raise RequestError(
-            f"the request body could not be read or decoded ({reason}); check its "
-            "Content-Encoding and framing",
-            code="invalid_body",
-        ) from exc
+        try:
+            async for chunk in _body_chunks(request, cfg.client_body_timeout_s):
+                num_bytes += len(chunk)
+                if num_bytes > max_body_bytes:
+                    raise PayloadTooLargeError(f"request body over the {max_body_bytes}-byte limit")
+                if num_bytes > reserved:  # chunked, or decoded past its Content-Length
+                    if not budget.try_reserve(num_bytes - reserved):
+                        raise _overloaded("buffered request body (max_buffered_body_bytes)")
+                    reserved = num_bytes
+                chunks.append(chunk)
+        except TimeoutError as exc:
+            # the client stopped sending: close its connection (no one would read an answer)
+            request.protocol.force_close()
+            raise RequestError(
+                f"no request body bytes for {cfg.client_body_timeout_s:g} s "
+                "(client_body_timeout_s); connection closed",
+                code="client_body_timeout",
+            ) from exc
+        except web.RequestPayloadError as exc:  # bad gzip / deflate, bad chunking, cut short
+            reason = clip(str(exc).replace("\n", " ").strip(), 200)
+            raise RequestError(
+                f"the request body could not be read or decoded ({reason}); check its "
+                "Content-Encoding and framing",
+                code="invalid_body",
+            ) from exc
+    except BaseException:
+        budget.release(reserved)
+        raise
+    finally:
+        budget.num_reading -= 1
+    budget.release(reserved - num_bytes)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def _type_name(value: Any) -> str:
@@ -213,24 +285,43 @@ async def _proxy(request: web.Request, path: str) -> web.StreamResponse:
     ctx = request.app[CTX_KEY]
     rid = _request_id(request)
     flow = request.app.get(FLOW_KEY)  # API keys, limits, admission (admission/gate.py)
+    budget = request.app[BODY_BUDGET_KEY]
+    cfg = ctx.cfg
     try:
         key = flow.authenticate(request.headers) if flow is not None else None
-        raw = await _read_body(request, ctx.cfg.max_body_bytes)
-        body = _parse_body(raw)
-        _check_model(body["model"], ctx.table)
-        info = ctx.profiler.profile(rid, body, request.headers)
-        if flow is not None:
-            info = flow.classify(key, info, request.headers)
+        # before the body is read: a refused request costs no body memory
+        if ctx.num_in_flight + budget.num_reading >= cfg.max_in_flight:
+            raise _overloaded("in-flight (max_in_flight)")
+        raw = await _read_body(request, cfg, budget)
     except RequestError as exc:  # answered by the error middleware (gateway/errors.py)
         ctx.metrics.request_done("", "", exc.status)
         raise
+    try:  # len(raw) stays reserved in the body budget until the request is done
+        try:
+            if len(raw) <= cfg.profile_offload_bytes:  # the hot path: all synchronous
+                body = _parse_body(raw)
+                _check_model(body["model"], ctx.table)
+                info = ctx.profiler.profile(rid, body, request.headers)
+            else:  # a large prompt: let other requests run between the long steps
+                await asyncio.sleep(0)
+                body = _parse_body(raw)
+                _check_model(body["model"], ctx.table)
+                await asyncio.sleep(0)
+                info = await ctx.profiler.profile_async(rid, body, request.headers)
+            if flow is not None:
+                info = flow.classify(key, info, request.headers)
+        except RequestError as exc:
+            ctx.metrics.request_done("", "", exc.status)
+            raise
 
-    def dispatch(decision: Decision | None) -> Awaitable[web.StreamResponse]:
-        return _dispatch(request, path, body, raw, info, decision)
+        def dispatch(decision: Decision | None) -> Awaitable[web.StreamResponse]:
+            return _dispatch(request, path, body, raw, info, decision)
 
-    if flow is not None:
-        return await flow.guard(info, key, dispatch)
-    return await dispatch(None)
+        if flow is not None:
+            return await flow.guard(info, key, dispatch)
+        return await dispatch(None)
+    finally:
+        budget.release(len(raw))
 
 
 async def _dispatch(
@@ -246,9 +337,7 @@ async def _dispatch(
     ctx = request.app[CTX_KEY]
     if ctx.num_in_flight >= ctx.cfg.max_in_flight:
         ctx.metrics.request_done(info.model, "", 503)
-        raise UnavailableError(
-            "the gateway is at its in-flight limit; retry later", code="overloaded", retry_after_s=1
-        )
+        raise _overloaded("in-flight (max_in_flight)")
     if decision is None:
         decision = ctx.router.decide(info, time.monotonic())
     if not decision.ranked:
@@ -328,6 +417,11 @@ def _needs_discovery(table: BackendTable) -> bool:
 
 async def _on_startup(app: web.Application) -> None:
     ctx = app[CTX_KEY]
+    # accept() failing for lack of descriptors: one WARNING a minute, not a traceback each
+    loop = asyncio.get_running_loop()
+    previous = loop.get_exception_handler()
+    app[_LOOP_HANDLER_KEY][:] = [previous, accept_error_filter(previous)]
+    loop.set_exception_handler(app[_LOOP_HANDLER_KEY][1])
     cfg = ctx.cfg
     connector = aiohttp.TCPConnector(limit=100, limit_per_host=4)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s)
@@ -337,8 +431,8 @@ async def _on_startup(app: web.Application) -> None:
     if _needs_discovery(ctx.table):
         await _discover_once(session, ctx.table, cfg.connect_timeout_s)
         tasks.append(asyncio.create_task(_discovery_loop(session, ctx.table, cfg)))
-    loop = scrape_loop(session, ctx.table, cfg.scrape_interval_s, cfg.scrape_timeout_s)
-    tasks.append(asyncio.create_task(loop))
+    scraping = scrape_loop(session, ctx.table, cfg.scrape_interval_s, cfg.scrape_timeout_s)
+    tasks.append(asyncio.create_task(scraping))
     app[RESILIENCE_KEY].start(session, random.Random(cfg.seed))
     registry_task = start_registry(cfg, ctx.table, ctx.metrics)
     if registry_task is not None:
@@ -349,6 +443,10 @@ async def _on_startup(app: web.Application) -> None:
 
 
 async def _on_cleanup(app: web.Application) -> None:
+    handlers = app[_LOOP_HANDLER_KEY]
+    loop = asyncio.get_running_loop()
+    if handlers and loop.get_exception_handler() is handlers[1]:
+        loop.set_exception_handler(handlers[0])
     tasks = app[_TASKS_KEY]
     for task in tasks:
         task.cancel()
@@ -384,7 +482,11 @@ def create_gateway_app(cfg: GatewayConfig, *, policy: Policy | None = None) -> w
         client_max_size=cfg.max_body_bytes,
         middlewares=[error_middleware(_request_id)],
         # aiohttp's protocol handler logs malformed requests through this (rate-limited)
-        handler_args={"logger": ProtocolErrorLog()},
+        handler_args={
+            "logger": ProtocolErrorLog(),
+            # idle keep-alive connections (aiohttp's default: 3,630 s)
+            "keepalive_timeout": cfg.keepalive_timeout_s,
+        },
     )
     app[CTX_KEY] = ctx
     app[TABLE_KEY] = table
@@ -392,6 +494,8 @@ def create_gateway_app(cfg: GatewayConfig, *, policy: Policy | None = None) -> w
     app[_TASKS_KEY] = []
     app[_IDS_KEY] = _RequestIds()
     app[RESILIENCE_KEY] = Resilience(cfg, router, gw_metrics)
+    app[BODY_BUDGET_KEY] = BodyBudget(cfg.max_buffered_body_bytes)
+    app[_LOOP_HANDLER_KEY] = []
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)

@@ -15,7 +15,7 @@ import signal
 
 from aiohttp import web
 
-from kiloserve.gateway.app import create_gateway_app
+from kiloserve.gateway.app import create_gateway_app, make_runner
 from kiloserve.gateway.config import (
     BackendConfig,
     GatewayConfig,
@@ -70,12 +70,9 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None) -> None:
             loop.add_signal_handler(sig, stop.set)
     # On stop: close the listening socket, let in-flight requests (streams included)
     # finish for up to shutdown_grace_s, then cancel what is left and exit.
-    runner = web.AppRunner(
-        create_gateway_app(cfg),
-        handler_cancellation=True,
-        access_log=None,
-        shutdown_timeout=cfg.shutdown_grace_s,
-    )
+    # make_runner: handler_cancellation, no access log, the request-head timeout and
+    # the connection cap (gateway/limits.py)
+    runner = make_runner(create_gateway_app(cfg), cfg, shutdown_timeout=cfg.shutdown_grace_s)
     await runner.setup()
     try:
         site = web.TCPSite(runner, cfg.host, cfg.port)

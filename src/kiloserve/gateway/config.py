@@ -83,6 +83,13 @@ class GatewayConfig(_Strict):
     max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
     max_idle_connections: int = Field(default=256, ge=0)
     max_in_flight: int = Field(default=10_000, ge=1)
+    # slow clients and resource caps (docs/gateway.md, "Limits and timeouts")
+    client_header_timeout_s: float = Field(default=10.0, gt=0.0)
+    client_body_timeout_s: float = Field(default=30.0, gt=0.0)
+    keepalive_timeout_s: float = Field(default=60.0, gt=0.0)
+    max_connections: int | None = Field(default=None, ge=1)  # None: from RLIMIT_NOFILE
+    max_buffered_body_bytes: int = Field(default=256 * 1024 * 1024, gt=0)
+    profile_offload_bytes: int = Field(default=64 * 1024, ge=0)
     admin_token: str | None = None
     # names (``name`` or ``name:port``) the admin API and dashboard answer besides IP
     # addresses, localhost and ``host`` (DNS rebinding guard; docs/gateway.md)

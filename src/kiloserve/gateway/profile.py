@@ -18,10 +18,17 @@
   share) is bounded in bytes per entry as well as in entries, whatever clients send.
 * prefix hashes: ``kiloserve.tokens.block_hashes`` over the first ``max_prefix_tokens``
   tokens (chained, so a capped prefix still identifies the shared prefix).
+* large prompts (issue 15): ``profile_async`` gives the same ``RequestInfo`` without
+  holding the event loop: a configured tokenizer runs in a worker thread (``tokenizers``
+  releases the GIL), the approximation counts in steps of ``OFFLOAD_CHUNK_CHARS``
+  characters (``kiloserve.tokens.chunk_bounds``) with a yield to the loop between them
+  (the regex holds the GIL, so a thread would not help). The front door uses it for
+  bodies over ``profile_offload_bytes``; small prompts stay on the synchronous path.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import hashlib
@@ -34,7 +41,7 @@ import orjson
 from kiloserve.errors import ConfigError, RequestError
 from kiloserve.gateway.config import GatewayConfig
 from kiloserve.policies.base import RequestInfo
-from kiloserve.tokens import MAX_TOKEN_ID, block_hashes, count_tokens, tokenize
+from kiloserve.tokens import MAX_TOKEN_ID, block_hashes, chunk_bounds, count_tokens, tokenize
 
 __all__ = [
     "MAX_KEY_CHARS",
@@ -47,6 +54,7 @@ __all__ = [
 
 MAX_PIECE_CHARS = 5  # one optional leading space + 4 characters (see kiloserve.tokens)
 MAX_KEY_CHARS = 128  # longer user / session / model keys are kept as a digest
+OFFLOAD_CHUNK_CHARS = 16 * 1024  # profile_async counts this much text between yields
 _DIGEST_PREFIX = "sha256:"
 
 
@@ -182,6 +190,16 @@ def _load_encoder(path: str) -> _Encoder:
     return encode
 
 
+async def count_tokens_yielding(text: str, chunk_chars: int = OFFLOAD_CHUNK_CHARS) -> int:
+    """``count_tokens(text)``, counted in slices with a yield to the event loop after
+    each (a few milliseconds of work per slice)."""
+    total = 0
+    for start, end in chunk_bounds(text, chunk_chars):
+        total += count_tokens(text[start:end])
+        await asyncio.sleep(0)
+    return total
+
+
 class Profiler:
     """Builds ``RequestInfo`` from a parsed body and headers."""
 
@@ -214,15 +232,51 @@ class Profiler:
         ids = tokenize(text) if len(text) <= max_chars else tokenize(text[:max_chars])[:-1]
         return tuple(block_hashes(ids[: self._max_prefix_tokens], self._block_size))
 
+    async def _tokens_async(
+        self, model: str, prompt: str | list[int]
+    ) -> tuple[int, tuple[int, ...]]:
+        """``_tokens``, leaving the event loop free while a long text is tokenised."""
+        if isinstance(prompt, list):
+            return self._tokens(model, prompt)
+        encoder = self._encoders.get(model)
+        if encoder is not None:
+            ids = await asyncio.to_thread(encoder, prompt)
+            head = ids[: self._max_prefix_tokens]
+            return len(ids), tuple(block_hashes(head, self._block_size))
+        num_tokens = await count_tokens_yielding(prompt)
+        if num_tokens < self._block_size:
+            return num_tokens, ()
+        return num_tokens, self._approx_prefix_hashes(prompt)  # bounded: the prefix only
+
     def profile(
         self, request_id: str, body: Mapping[str, Any], headers: Mapping[str, str]
+    ) -> RequestInfo:
+        max_tokens = _max_tokens(body)
+        tokens = self._tokens(body["model"], prompt_text(body))
+        return self._info(request_id, body, headers, max_tokens, tokens)
+
+    async def profile_async(
+        self, request_id: str, body: Mapping[str, Any], headers: Mapping[str, str]
+    ) -> RequestInfo:
+        """``profile`` for large prompts: the same answer, without blocking the loop."""
+        max_tokens = _max_tokens(body)
+        prompt = prompt_text(body)
+        tokens = await self._tokens_async(body["model"], prompt)
+        return self._info(request_id, body, headers, max_tokens, tokens)
+
+    def _info(
+        self,
+        request_id: str,
+        body: Mapping[str, Any],
+        headers: Mapping[str, str],
+        max_tokens: int | None,
+        tokens: tuple[int, tuple[int, ...]],
     ) -> RequestInfo:
         model = body["model"]
         user = body.get("user")
         # a long user is kept as its digest (stable): never the raw string (issue 15)
         user_key = bounded_key(user) if isinstance(user, str) and user else None
-        max_tokens = _max_tokens(body)
-        input_tokens, hashes = self._tokens(model, prompt_text(body))
+        input_tokens, hashes = tokens
         predicted = max_tokens if max_tokens is not None else self.outputs.predict(user_key, model)
         sid = headers.get("x-session-id")
         session = bounded_key(sid) if sid else user_key
