@@ -31,6 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("kiloserve.plan.cli", "capacity planning: memory ledger, TP and replicas"),
     "agent": ("kiloserve.agent.cli", "register one engine in etcd while it is healthy"),
     "chaos": ("kiloserve.chaos.cli", "fault-injection drills on a local twin cluster"),
+    "doctor": ("kiloserve.doctor.cli", "triage a live gateway: name the probable cause"),
 }
 
 
