@@ -1,6 +1,9 @@
 """A vLLM instance killed mid-run: the gateway fails over to the other one.
 
-Runs last in the session (conftest orders it so): it leaves vllm-b dead.
+Requests not yet answered are retried; streams already under way on the killed engine
+are continued on the survivor (mid-stream failover, docs/gateway.md): every stream ends
+with all its tokens and one ``[DONE]``. Runs last in the session (conftest orders it
+so): it leaves vllm-b dead.
 """
 
 from __future__ import annotations
@@ -14,12 +17,14 @@ from dataclasses import dataclass
 import openai
 import pytest
 
-from conftest import SERVED_MODEL, admin_backends, wait_for
+from conftest import SERVED_MODEL, admin_backends, http_text, metric_sum, wait_for
 from kiloserve.launch.cluster import LocalCluster
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(300)]
 
 NUM_WORKERS = 3
+NUM_STREAM_WORKERS = 3
+STREAM_TOKENS = 64
 MIN_REQUESTS_AFTER_KILL = 12
 
 
@@ -54,6 +59,45 @@ def _worker(
                 outcomes.append(outcome)
 
 
+@dataclass
+class StreamOutcome:
+    backend: str | None = None
+    num_text_chunks: int = 0
+    completion_tokens: int | None = None
+    error: str | None = None
+    done: bool = False
+
+
+def _stream_worker(
+    gateway_url: str, outcomes: list[StreamOutcome], lock: threading.Lock, stop: threading.Event
+) -> None:
+    with openai.OpenAI(base_url=gateway_url + "/v1", api_key="none", max_retries=0) as client:
+        i = 0
+        while not stop.is_set():
+            i += 1
+            out = StreamOutcome()
+            with lock:
+                outcomes.append(out)
+            try:
+                raw = client.completions.with_raw_response.create(
+                    model=SERVED_MODEL,
+                    prompt=f"Stream through a crash, number {i}",
+                    max_tokens=STREAM_TOKENS,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                    extra_body={"ignore_eos": True},
+                )
+                out.backend = raw.headers["x-kiloserve-backend"]
+                for chunk in raw.parse():
+                    if chunk.choices and chunk.choices[0].text:
+                        out.num_text_chunks += 1
+                    if chunk.usage is not None:
+                        out.completion_tokens = chunk.usage.completion_tokens
+                out.done = True
+            except openai.APIError as exc:
+                out.error = type(exc).__name__
+
+
 def test_engine_killed_mid_run_fails_over(vllm_cluster: LocalCluster) -> None:
     gw = vllm_cluster.gateway_url
     assert gw is not None
@@ -62,9 +106,13 @@ def test_engine_killed_mid_run_fails_over(vllm_cluster: LocalCluster) -> None:
     outcomes: list[Outcome] = []
     lock = threading.Lock()
     stop = threading.Event()
+    streams: list[StreamOutcome] = []
     workers = [
         threading.Thread(target=_worker, args=(gw, outcomes, lock, stop))
         for _ in range(NUM_WORKERS)
+    ] + [
+        threading.Thread(target=_stream_worker, args=(gw, streams, lock, stop))
+        for _ in range(NUM_STREAM_WORKERS)
     ]
     for w in workers:
         w.start()
@@ -74,6 +122,17 @@ def test_engine_killed_mid_run_fails_over(vllm_cluster: LocalCluster) -> None:
             120,
             "both engines to serve the run",
         )
+        # kill while a stream on vllm-b is half-way: its tokens so far reached the client
+        wait_for(
+            lambda: any(
+                o.backend == "vllm-b" and not o.done and o.error is None
+                and 3 <= o.num_text_chunks < STREAM_TOKENS // 2
+                for o in list(streams)
+            ),
+            120,
+            "a stream under way on vllm-b",
+            poll_s=0.001,
+        )  # fmt: skip
         killed_s = time.monotonic()
         os.killpg(victim.pid, signal.SIGKILL)  # the API server and its engine core, no goodbye
         wait_for(
@@ -95,3 +154,11 @@ def test_engine_killed_mid_run_fails_over(vllm_cluster: LocalCluster) -> None:
     assert sum(1 for o in before if o.error) <= NUM_WORKERS
     wait_for(lambda: not admin_backends(gw)["vllm-b"]["healthy"], 20, "vllm-b marked down")
     assert ("vllm-b", -signal.SIGKILL) in vllm_cluster.crashed()
+    # No stream failed: those cut on vllm-b went on on vllm-a with every token.
+    finished = [o for o in streams if o.done or o.error]
+    assert [o.error for o in finished] == [None] * len(finished)
+    assert all(o.completion_tokens == STREAM_TOKENS for o in finished), [
+        (o.backend, o.num_text_chunks, o.completion_tokens) for o in finished
+    ]
+    migrated = metric_sum(http_text(gw + "/metrics"), "kiloserve_gateway_migrations_total")
+    assert migrated >= 1
