@@ -10,6 +10,8 @@ replaces the whole active set (keys left out are off, so ``{}`` clears every fau
     {"hang": true}                        inference requests (and /health) never answer
     {"stall_after_tokens": 5}             streams stop after 5 tokens, connection kept open
     {"crash": true}                       the process exits (code 1) after answering 200
+    {"thermal": {"throttle_at_c": 83, "factor": 2.0}}
+                                          thermal throttling (S3.7): see ``ThermalFault``
 
 ``GET /admin/faults`` answers the active set in the same form (``{}`` when none), so
 its output can be posted back. Error draws use a ``random.Random`` seeded at start-up,
@@ -18,15 +20,155 @@ so a run with the same seed and request order fails the same requests.
 
 from __future__ import annotations
 
+import math
 import random
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kiloserve.errors import RequestError
 
-__all__ = ["FaultInjector", "FaultSet"]
+__all__ = ["FaultInjector", "FaultSet", "ThermalFault", "ThermalModel"]
 
 MAX_SLOWDOWN = 10_000.0
-_KEYS = ("slowdown", "error_rate", "status", "hang", "stall_after_tokens", "crash")
+_KEYS = ("slowdown", "error_rate", "status", "hang", "stall_after_tokens", "crash", "thermal")
+_THERMAL_KEYS = (
+    "throttle_at_c", "resume_at_c", "factor", "ambient_c", "load_c", "time_constant_s",
+)  # fmt: skip
+MAX_TEMPERATURE_C = 200.0
+
+
+@dataclass(frozen=True, slots=True)
+class ThermalFault:
+    """A GPU that throttles its clock when hot (a failed fan, blocked airflow).
+
+    First-order model: the temperature relaxes toward ``ambient_c + u * (load_c -
+    ambient_c)`` with time constant ``time_constant_s``, where ``u`` is the busy share
+    of wall time (1 while stepping, 0 while idle). At or above ``throttle_at_c`` the
+    clock drops to ``1 / factor`` (every step takes ``factor`` x as long, on top of
+    ``slowdown``) until the temperature falls below ``resume_at_c`` (hysteresis).
+    ``load_c`` must exceed ``throttle_at_c`` or full load never throttles.
+    """
+
+    throttle_at_c: float = 83.0
+    resume_at_c: float | None = None  # None: throttle_at_c - 5
+    factor: float = 2.0
+    ambient_c: float = 40.0
+    load_c: float = 90.0
+    time_constant_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        for key in ("throttle_at_c", "ambient_c", "load_c"):
+            value = getattr(self, key)
+            if not -50.0 <= value <= MAX_TEMPERATURE_C:
+                raise RequestError(f"thermal.{key} must be within [-50, 200] C", param=key)
+        if self.resume_at_c is not None and not (
+            self.ambient_c < self.resume_at_c <= self.throttle_at_c
+        ):
+            raise RequestError(
+                "thermal.resume_at_c must be in (ambient_c, throttle_at_c]", param="resume_at_c"
+            )
+        if self.throttle_at_c <= self.ambient_c:
+            raise RequestError("thermal.throttle_at_c must exceed ambient_c", param="throttle_at_c")
+        if self.load_c < self.ambient_c:
+            raise RequestError("thermal.load_c must be >= ambient_c", param="load_c")
+        if not 1.0 <= self.factor <= MAX_SLOWDOWN:
+            raise RequestError(f"thermal.factor must be in [1, {MAX_SLOWDOWN:g}]", param="factor")
+        if not 0.0 < self.time_constant_s <= 86_400.0:
+            raise RequestError(
+                "thermal.time_constant_s must be in (0, 86400]", param="time_constant_s"
+            )
+
+    @property
+    def resume_c(self) -> float:
+        """The temperature the clock recovers below (``resume_at_c`` or 5 C under)."""
+        if self.resume_at_c is not None:
+            return self.resume_at_c
+        return max(self.throttle_at_c - 5.0, (self.throttle_at_c + self.ambient_c) / 2)
+
+    @classmethod
+    def from_json(cls, body: object) -> ThermalFault:
+        if not isinstance(body, dict):
+            raise RequestError("'thermal' must be a JSON object", param="thermal")
+        unknown = sorted(set(body) - set(_THERMAL_KEYS))
+        if unknown:
+            raise RequestError(
+                f"unknown thermal keys {unknown}; valid keys: {list(_THERMAL_KEYS)}",
+                param="thermal",
+            )
+        d = cls()
+        resume = body.get("resume_at_c")
+        return cls(
+            throttle_at_c=_number(body, "throttle_at_c", d.throttle_at_c),
+            resume_at_c=None if resume is None else _number(body, "resume_at_c", 0.0),
+            factor=_number(body, "factor", d.factor),
+            ambient_c=_number(body, "ambient_c", d.ambient_c),
+            load_c=_number(body, "load_c", d.load_c),
+            time_constant_s=_number(body, "time_constant_s", d.time_constant_s),
+        )
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "throttle_at_c": self.throttle_at_c,
+            "resume_at_c": self.resume_c,
+            "factor": self.factor,
+            "ambient_c": self.ambient_c,
+            "load_c": self.load_c,
+            "time_constant_s": self.time_constant_s,
+        }
+
+
+class ThermalModel:
+    """The modelled temperature and throttle state of one GPU (pure: time is passed in).
+
+    ``busy(start_s, end_s)`` records a step (the GPU at full load); time between the
+    last update and ``start_s`` counts as idle. ``advance(now_s)`` lets it cool to
+    ``now_s`` (idle). Within one segment the temperature moves monotonically, so the
+    hysteresis is checked at segment ends.
+    """
+
+    def __init__(self, fault: ThermalFault, now_s: float, temperature_c: float | None = None):
+        self.fault = fault
+        self.temperature_c = fault.ambient_c if temperature_c is None else temperature_c
+        self.is_throttled = False
+        self._last_s = now_s
+        self._update_throttle()
+
+    @property
+    def clock_ratio(self) -> float:
+        """Clock as a share of full speed (1 / factor while throttled)."""
+        return 1.0 / self.fault.factor if self.is_throttled else 1.0
+
+    @property
+    def step_factor(self) -> float:
+        """How much longer a step takes at the current clock."""
+        return self.fault.factor if self.is_throttled else 1.0
+
+    def advance(self, now_s: float) -> None:
+        """Idle (cooling toward ambient) from the last update until ``now_s``."""
+        self._segment(now_s, 0.0)
+
+    def busy(self, start_s: float, end_s: float) -> None:
+        """Full load over ``[start_s, end_s]``, idle before it since the last update."""
+        self._segment(start_s, 0.0)
+        self._segment(end_s, 1.0)
+
+    def _segment(self, end_s: float, utilisation: float) -> None:
+        dt = end_s - self._last_s
+        if dt <= 0:
+            return
+        f = self.fault
+        target = f.ambient_c + utilisation * (f.load_c - f.ambient_c)
+        decay = math.exp(-dt / f.time_constant_s)
+        self.temperature_c = target + (self.temperature_c - target) * decay
+        self._last_s = end_s
+        self._update_throttle()
+
+    def _update_throttle(self) -> None:
+        if self.temperature_c >= self.fault.throttle_at_c:
+            self.is_throttled = True
+        elif self.temperature_c < self.fault.resume_c:
+            self.is_throttled = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +181,7 @@ class FaultSet:
     is_hang: bool = False
     stall_after_tokens: int | None = None
     is_crash: bool = False
+    thermal: ThermalFault | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.slowdown <= MAX_SLOWDOWN:
@@ -67,6 +210,7 @@ class FaultSet:
             is_hang=_flag(body, "hang"),
             stall_after_tokens=_opt_integer(body, "stall_after_tokens"),
             is_crash=_flag(body, "crash"),
+            thermal=_opt_thermal(body),
         )
 
     def to_json(self) -> dict[str, object]:
@@ -81,6 +225,8 @@ class FaultSet:
             out["hang"] = True
         if self.stall_after_tokens is not None:
             out["stall_after_tokens"] = self.stall_after_tokens
+        if self.thermal is not None:
+            out["thermal"] = self.thermal.to_json()
         return out
 
 
@@ -102,6 +248,11 @@ def _opt_integer(body: dict[str, object], key: str) -> int | None:
     return None if body.get(key) is None else _integer(body, key, 0)
 
 
+def _opt_thermal(body: dict[str, object]) -> ThermalFault | None:
+    value = body.get("thermal")
+    return None if value is None else ThermalFault.from_json(value)
+
+
 def _flag(body: dict[str, object], key: str) -> bool:
     value = body.get(key, False)
     if not isinstance(value, bool):
@@ -110,19 +261,58 @@ def _flag(body: dict[str, object], key: str) -> bool:
 
 
 class FaultInjector:
-    """The twin's current faults plus the seeded RNG for error draws."""
+    """The twin's current faults, the seeded RNG for error draws, the thermal state.
 
-    def __init__(self, faults: FaultSet | None = None, seed: int = 0) -> None:
-        self.faults = faults if faults is not None else FaultSet()
+    ``clock`` must be the twin loop's clock (the thermal model is stepped with its
+    times and read at scrape time).
+    """
+
+    def __init__(
+        self,
+        faults: FaultSet | None = None,
+        seed: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._rng = random.Random(seed)
+        self._clock = clock
+        self.faults = FaultSet()
+        self.thermal: ThermalModel | None = None
+        self.replace(faults if faults is not None else FaultSet())
 
     def replace(self, faults: FaultSet) -> None:
-        """Make ``faults`` the active set (the ``POST /admin/faults`` semantics)."""
+        """Make ``faults`` the active set (the ``POST /admin/faults`` semantics).
+
+        A thermal fault that stays set keeps its current temperature (new constants
+        apply from now); one newly set starts at its ambient temperature.
+        """
         self.faults = faults
+        if faults.thermal is None:
+            self.thermal = None
+        elif self.thermal is None:
+            self.thermal = ThermalModel(faults.thermal, self._clock())
+        else:
+            now_s = self._clock()
+            self.thermal.advance(now_s)
+            self.thermal = ThermalModel(faults.thermal, now_s, self.thermal.temperature_c)
 
     @property
     def slowdown(self) -> float:
-        return self.faults.slowdown
+        """The step-time multiplier now: ``slowdown`` x the thermal clock drop."""
+        thermal = self.thermal
+        return self.faults.slowdown * (1.0 if thermal is None else thermal.step_factor)
+
+    def on_step(self, start_s: float, end_s: float) -> None:
+        """The twin loop stepped (GPU busy) over ``[start_s, end_s]``."""
+        if self.thermal is not None:
+            self.thermal.busy(start_s, end_s)
+
+    def thermal_reading(self) -> tuple[float | None, float]:
+        """(modelled temperature in C or ``None`` without the fault, clock ratio)."""
+        thermal = self.thermal
+        if thermal is None:
+            return None, 1.0
+        thermal.advance(self._clock())
+        return thermal.temperature_c, thermal.clock_ratio
 
     def draw_error_status(self) -> int | None:
         """The status to fail this request with, or ``None`` to serve it."""

@@ -125,13 +125,47 @@ class _EngineStatsCollector(Collector):
         )
 
 
+ThermalReading = Callable[[], tuple[float | None, float]]
+
+
+class _ThermalCollector(Collector):
+    """The thermal fault's modelled GPU temperature and clock, read at scrape time.
+
+    The clock ratio is always exported (1 without the fault); the temperature only
+    while a thermal fault is set (otherwise nothing models it)."""
+
+    def __init__(self, reading_fn: ThermalReading) -> None:
+        self._reading_fn = reading_fn
+
+    def collect(self) -> Iterator[Metric]:
+        temperature_c, clock_ratio = self._reading_fn()
+        if temperature_c is not None:
+            yield GaugeMetricFamily(
+                "kiloserve_twin_gpu_temperature_celsius",
+                "Modelled GPU temperature (thermal fault; absent when not set).",
+                value=temperature_c,
+            )
+        yield GaugeMetricFamily(
+            "kiloserve_twin_gpu_clock_ratio",
+            "Modelled GPU clock as a share of full speed (< 1 while thermally throttled).",
+            value=clock_ratio,
+        )
+
+
 class TwinMetrics:
     """All metrics of one twin, in its own registry."""
 
-    def __init__(self, model_name: str, stats_fn: Callable[[], EngineStats]) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        stats_fn: Callable[[], EngineStats],
+        thermal_fn: ThermalReading | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
         labels = [model_name, "0"]
         self.registry.register(_EngineStatsCollector(stats_fn, labels))
+        if thermal_fn is not None:
+            self.registry.register(_ThermalCollector(thermal_fn))
         reg = self.registry
         self._prompt = Counter(
             "vllm:prompt_tokens", "Prefill tokens processed.", _LABELS, registry=reg

@@ -3,7 +3,7 @@
 One asyncio task per twin. While the engine core has work it repeats::
 
     result = core.step()                                # schedule + model one step
-    deadline = step_start + result.duration_s * slowdown
+    deadline = step_start + result.duration_s * slowdown   # x thermal clock drop
     sleep until deadline                                # absolute: errors don't add up
     hand each request its new tokens                    # wakes the HTTP handlers
 
@@ -278,6 +278,7 @@ class TwinLoop:
                 await self._wait_for_work(IDLE_POLL_S)  # nothing schedulable yet
                 continue
             deadline_s = start_s + result.duration_s * self._faults.slowdown
+            self._faults.on_step(start_s, deadline_s)  # the thermal model's busy time
             delay_s = deadline_s - self._clock()
             if delay_s > 0:
                 await self._sleep(delay_s)
@@ -379,7 +380,7 @@ def build_twin(config: TwinConfig, timer: StepTimer | None = None) -> Twin:
     name = config.served_model_name or model.name
     faults = FaultInjector(config.faults, config.seed)
     stats_fn = functools.partial(read_engine_stats, core)
-    metrics = TwinMetrics(name, stats_fn)
+    metrics = TwinMetrics(name, stats_fn, faults.thermal_reading)
     overhead_s = config.api_overhead_s
     if overhead_s is None:
         overhead_s = float(getattr(timer, "per_request_api_overhead_s", 0.0))
