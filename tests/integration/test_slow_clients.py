@@ -260,3 +260,27 @@ async def test_out_of_descriptors_for_real_logs_no_traceback(
         assert (await _get(port, "/health"))[0] == 200
     _no_errors(caplog)
     assert [r for r in caplog.records if "cannot accept connections" in r.getMessage()]
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"GARBAGE\r\n\r\n",  # no method / target / version
+        b"GET / HTTP/1.1\r\nHost: x\r\nBad Header Line\r\n\r\n",  # header without a colon
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+    ],
+    ids=["request-line", "header", "content-length"],
+)
+async def test_malformed_requests_get_openai_json(raw: bytes) -> None:
+    async with _gateway(_cfg()) as (port, _app):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(raw)
+        await writer.drain()
+        data = await asyncio.wait_for(reader.read(), 5.0)  # the gateway closes after it
+        writer.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.split(b" ")[1] == b"400", data[:200]
+    assert b"application/json" in head.lower()
+    err = orjson.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert (err["type"], err["code"]) == ("invalid_request_error", "bad_http_request")

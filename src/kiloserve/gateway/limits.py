@@ -30,12 +30,16 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from http import HTTPStatus
 from typing import Any
 
+import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
 from aiohttp.web_server import Server
 
+from kiloserve.errors import ERROR_TYPES, clip
 from kiloserve.gateway.config import GatewayConfig
 
 __all__ = [
@@ -173,6 +177,32 @@ class _GuardedHandler(RequestHandler):
             self._cancel_header_timer()
         elif data and self._header_handle is None:
             self._arm_header_timer()  # the first bytes of the next request's head
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        """aiohttp's answer to a request it could not parse (bad request line, headers,
+        framing): logged as aiohttp does (through the gateway's rate-limited protocol
+        log), answered as an OpenAI-style JSON error instead of plain text."""
+        plain = super().handle_error(request, status, exc, message)
+        if not 400 <= status < 500:
+            return plain
+        text = clip(message or HTTPStatus(status).phrase)
+        body = {
+            "error": {
+                "message": f"malformed HTTP request: {text}",
+                "type": ERROR_TYPES.get(status, ERROR_TYPES[400]),
+                "param": None,
+                "code": "bad_http_request",
+            }
+        }
+        resp = web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
+        resp.force_close()
+        return resp
 
     def _arm_header_timer(self) -> None:
         self._header_handle = self._loop.call_later(
