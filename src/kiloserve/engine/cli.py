@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 
-from kiloserve.engine.faults import FaultSet
+from kiloserve.engine.faults import FaultSet, ThermalFault
 from kiloserve.engine.twin import TwinConfig
+from kiloserve.errors import RequestError
 
 __all__ = ["ADMIN_TOKEN_ENV", "add_arguments", "admin_token_from_args", "config_from_args", "run"]
 
@@ -48,6 +50,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     faults.add_argument("--error-status", type=int, default=500, help="status of failures")
     faults.add_argument("--hang", action="store_true", help="accept requests, never answer")
     faults.add_argument("--stall-after-tokens", type=int, help="streams stop after N tokens")
+    faults.add_argument(
+        "--thermal",
+        type=_thermal_arg,
+        metavar="JSON",
+        help='thermal throttling, e.g. \'{"throttle_at_c": 80, "factor": 2}\' ({} = defaults)',
+    )
+
+
+def _thermal_arg(text: str) -> ThermalFault:
+    """``--thermal`` as ``POST /admin/faults``'s ``thermal`` object (argparse error if bad)."""
+    try:
+        return ThermalFault.from_json(json.loads(text))
+    except (ValueError, RequestError) as exc:
+        raise argparse.ArgumentTypeError(f"--thermal: {exc}") from exc
 
 
 def config_from_args(args: argparse.Namespace) -> TwinConfig:
@@ -58,6 +74,7 @@ def config_from_args(args: argparse.Namespace) -> TwinConfig:
         error_status=args.error_status,
         is_hang=args.hang,
         stall_after_tokens=args.stall_after_tokens,
+        thermal=args.thermal,
     )
     return TwinConfig(
         gpu=args.gpu,

@@ -70,6 +70,9 @@ class FaultSpec(_Strict):
     status: int | None = Field(default=None, ge=400, le=599)
     hang: bool = False
     stall_after_tokens: int | None = Field(default=None, ge=0)
+    # thermal throttling: the ``thermal`` object of POST /admin/faults ({} = defaults),
+    # checked by the twin at start-up (docs/engine-twin.md, "Thermal throttling")
+    thermal: dict[str, float | None] | None = None
 
 
 class BackendSpec(_Strict):

@@ -34,6 +34,7 @@ it serves becomes healthy, once the cluster YAML names an etcd endpoint.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -105,6 +106,8 @@ def twin_argv(item: ExpandedBackend, host: str, port: int) -> list[str]:
         )
         if f.hang:
             argv.append("--hang")
+        if f.thermal is not None:
+            argv += ["--thermal", json.dumps(f.thermal)]
     return argv + list(spec.extra_args)
 
 

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import pytest
 
+from kiloserve.engine.cli import add_arguments, config_from_args
 from kiloserve.engine.faults import FaultInjector, FaultSet, ThermalFault, ThermalModel
 from kiloserve.engine.metrics import EngineStats, TwinMetrics
 from kiloserve.errors import RequestError
+from kiloserve.launch.config import parse_cluster_config
+from kiloserve.launch.engines import twin_argv
 
 FAST = ThermalFault(throttle_at_c=80.0, resume_at_c=70.0, factor=2.0, load_c=90.0,
                     ambient_c=40.0, time_constant_s=10.0)  # fmt: skip
@@ -163,3 +167,34 @@ def test_metrics_expose_temperature_and_clock() -> None:
     inj.replace(FaultSet(thermal=FAST))
     text = metrics.render().decode()
     assert "kiloserve_twin_gpu_temperature_celsius 40.0" in text
+
+
+def _engine_args(*extra: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(["--gpu", "H100", "--model", "llama-3.1-8b", "--port", "0", *extra])
+
+
+def test_thermal_at_start_up_flag_and_cluster_yaml() -> None:
+    args = _engine_args("--thermal", '{"throttle_at_c": 70, "factor": 3}')
+    thermal = config_from_args(args).faults.thermal
+    assert thermal is not None and (thermal.throttle_at_c, thermal.factor) == (70.0, 3.0)
+    assert config_from_args(_engine_args()).faults.thermal is None
+    with pytest.raises(SystemExit):  # argparse names the bad key
+        _engine_args("--thermal", '{"throttle": 70}')
+    cfg = parse_cluster_config(
+        {
+            "backends": [
+                {
+                    "name": "h",
+                    "gpu": "H100",
+                    "model": "llama-3.1-8b",
+                    "faults": {"thermal": {"factor": 2}},
+                }
+            ]
+        }
+    )
+    argv = twin_argv(cfg.expanded()[0], "127.0.0.1", 0)
+    flag = argv.index("--thermal")
+    again = config_from_args(_engine_args("--thermal", argv[flag + 1])).faults.thermal
+    assert again is not None and again.factor == 2.0
