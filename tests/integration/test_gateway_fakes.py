@@ -174,6 +174,19 @@ async def running_gateway(
         await runner.cleanup()
 
 
+async def post_faults(url: str, body: dict[str, Any]) -> None:
+    """Set a twin's faults (``POST /admin/faults``, JSON)."""
+    async with aiohttp.ClientSession() as s, s.post(url + "/admin/faults", json=body) as r:
+        assert r.status == 200
+
+
+async def admin_backends(gw: str) -> dict[str, dict[str, Any]]:
+    """The gateway's ``/admin/backends`` rows by backend name."""
+    async with aiohttp.ClientSession() as s, s.get(gw + "/admin/backends") as r:
+        rows = (await r.json())["backends"]
+    return {row["name"]: row for row in rows}
+
+
 async def wait_until_ready(url: str, timeout_s: float = 5.0) -> None:
     async with aiohttp.ClientSession() as s:
         for _ in range(int(timeout_s / 0.02)):

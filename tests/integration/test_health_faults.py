@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 import orjson
 from aiohttp import web
-from test_gateway_fakes import gateway_config, running_gateway
+from test_gateway_fakes import admin_backends, gateway_config, post_faults, running_gateway
 from test_gateway_twins import MODEL, twins
 
 FAST_HEALTH = {
@@ -29,15 +29,8 @@ FAST_HEALTH = {
 }
 
 
-async def _faults(url: str, body: dict[str, Any]) -> None:
-    async with aiohttp.ClientSession() as s, s.post(url + "/admin/faults", json=body) as r:
-        assert r.status == 200
-
-
-async def _backends(gw: str) -> dict[str, dict[str, Any]]:
-    async with aiohttp.ClientSession() as s, s.get(gw + "/admin/backends") as r:
-        rows = (await r.json())["backends"]
-    return {row["name"]: row for row in rows}
+_faults = post_faults
+_backends = admin_backends
 
 
 async def _until(check: Callable[[], Any], timeout_s: float) -> float:

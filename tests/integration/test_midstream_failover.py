@@ -20,7 +20,7 @@ from typing import Any
 
 import aiohttp
 import orjson
-from test_gateway_fakes import gateway_config, running_gateway
+from test_gateway_fakes import admin_backends, gateway_config, post_faults, running_gateway
 from test_gateway_twins import MODEL, twins
 
 from conftest import FixedStepTimer
@@ -34,15 +34,8 @@ NUM_STREAMS = 30
 PROMPT = "the quick fox jumps over the lazy dog"
 
 
-async def _faults(url: str, body: dict[str, Any]) -> None:
-    async with aiohttp.ClientSession() as s, s.post(url + "/admin/faults", json=body) as r:
-        assert r.status == 200
-
-
-async def _backends(gw: str) -> dict[str, dict[str, Any]]:
-    async with aiohttp.ClientSession() as s, s.get(gw + "/admin/backends") as r:
-        rows = (await r.json())["backends"]
-    return {row["name"]: row for row in rows}
+_faults = post_faults
+_backends = admin_backends
 
 
 async def _metric(gw: str, prefix: str) -> float:
