@@ -6,6 +6,7 @@
     ├── DoesNotFitError              a model does not fit the GPU memory (says what would)
     ├── LaunchError                  a child process failed to start or to become healthy
     ├── EtcdError                    etcd could not be reached or answered an error
+    ├── DoctorError                  kiloserve doctor cannot read the gateway it triages
     ├── BackendError                 an engine failed to answer as expected (gateway side)
     │   └── UpstreamError            connecting to / writing to / reading from it failed
     └── RequestError                 400 invalid_request_error   the base of every HTTP error
@@ -43,6 +44,7 @@ __all__ = [
     "BadGatewayError",
     "CatalogError",
     "ConfigError",
+    "DoctorError",
     "DoesNotFitError",
     "EtcdError",
     "ForbiddenError",
@@ -100,6 +102,10 @@ class LaunchError(KiloserveError):
 
 class EtcdError(KiloserveError):
     """etcd could not be reached or answered an error."""
+
+
+class DoctorError(KiloserveError):
+    """``kiloserve doctor`` cannot read the gateway it triages."""
 
 
 class BackendError(KiloserveError):

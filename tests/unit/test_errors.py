@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import importlib
+import pkgutil
 import re
 
 import pytest
 
+import kiloserve
 import kiloserve.errors as errors
 from kiloserve.errors import ERROR_TYPES, KiloserveError, RequestError
 
@@ -52,7 +54,16 @@ def _http_classes() -> list[type[RequestError]]:
     return [RequestError, *(c for c in _subclasses(RequestError) if issubclass(c, RequestError))]
 
 
+def _import_every_module() -> None:
+    """Every kiloserve module, so a subclass defined anywhere is seen (not only those
+    an earlier test happened to import)."""
+    for info in pkgutil.walk_packages(kiloserve.__path__, "kiloserve."):
+        if not info.name.endswith("__main__"):
+            importlib.import_module(info.name)
+
+
 def test_the_drawing_is_the_tree() -> None:
+    _import_every_module()
     rows = _drawing()
     drawn = {name for _, name, _, _ in rows}
     defined = {"KiloserveError", *(c.__name__ for c in _subclasses(KiloserveError))}

@@ -21,13 +21,9 @@ from kiloserve.doctor.diagnose import (
     facts_from_reads,
     gateway_counts,
 )
-from kiloserve.errors import KiloserveError
+from kiloserve.errors import DoctorError
 
 __all__ = ["Collected", "DoctorError", "collect"]
-
-
-class DoctorError(KiloserveError):
-    """The gateway itself cannot be read."""
 
 
 @dataclass
