@@ -9,6 +9,10 @@ nothing eagerly: ``from kiloserve.gateway import X`` loads X's module on first u
 * ``app``: the application factory and the front-door handlers
 * ``errors``: the error middleware (any ``kiloserve.errors.RequestError`` -> JSON answer)
 * ``proxy``: dispatch, retries before the first byte, stream relay, accounting
+* ``headers``: header pass-through both ways (hop-by-hop and the gateway's own dropped)
+* ``migrate``: mid-stream failover: which streams may move, the rewritten request, splicing
+* ``stall``: the per-stream stall watchdog
+* ``limits``: ``make_runner``: request-head timeout, connection cap, body budget
 * ``upstream``: the lean HTTP/1.1 keep-alive client of the hot path
 * ``sse``: server-sent-event framing, the usage chunk
 * ``profile``: the request profile a policy sees

@@ -53,10 +53,11 @@ from kiloserve.gateway.config import GatewayConfig
 from kiloserve.gateway.dashboard import add_dashboard_routes
 from kiloserve.gateway.dashboard_state import DashboardRecorder
 from kiloserve.gateway.errors import ProtocolErrorLog, error_middleware
+from kiloserve.gateway.headers import REQUEST_ID_HEADER
 from kiloserve.gateway.limits import BodyBudget, accept_error_filter, make_runner
 from kiloserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from kiloserve.gateway.profile import Profiler
-from kiloserve.gateway.proxy import REQUEST_ID_HEADER, ProxyContext, forward
+from kiloserve.gateway.proxy import ProxyContext, forward
 from kiloserve.gateway.registry.watch import start_registry
 from kiloserve.gateway.resilience.manager import Resilience
 from kiloserve.gateway.scrape import scrape_loop

@@ -54,7 +54,7 @@ from kiloserve.errors import (
     UnavailableError,
     clip,
 )
-from kiloserve.gateway.proxy import REQUEST_ID_HEADER
+from kiloserve.gateway.headers import REQUEST_ID_HEADER
 
 __all__ = ["ProtocolErrorLog", "error_middleware", "error_response", "http_error"]
 

@@ -23,9 +23,8 @@ and its upstream response is always released or closed, however it ends: an answ
 an upstream failure, a time-out, the client gone before or while the response is
 prepared or during a write, or the handler cancelled.
 
-Headers pass through both ways as through a transparent proxy (docs/gateway.md,
-"Header pass-through"): everything but the hop-by-hop headers (RFC 9110 section 7.6.1,
-and any header a ``Connection`` header names) and what the gateway sets itself.
+Headers pass through both ways as through a transparent proxy (``gateway/headers.py``,
+docs/gateway.md, "Header pass-through").
 """
 
 from __future__ import annotations
@@ -39,9 +38,17 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from kiloserve.errors import BackendError, BadGatewayError, GatewayTimeoutError
+from kiloserve.errors import BackendError, BadGatewayError, GatewayTimeoutError, NotFoundError
 from kiloserve.gateway.config import GatewayConfig
 from kiloserve.gateway.dashboard_state import DashboardRecorder
+from kiloserve.gateway.headers import (
+    BACKEND_HEADER,
+    REQUEST_ID_HEADER,
+    Pairs,
+    client_headers,
+    forwarded_drop,
+    relayed_headers,
+)
 from kiloserve.gateway.metrics import GatewayMetrics
 from kiloserve.gateway.migrate import (
     MIGRATE_HEADER,
@@ -55,7 +62,8 @@ from kiloserve.gateway.migrate import (
 )
 from kiloserve.gateway.profile import Profiler
 from kiloserve.gateway.sse import SseRelay
-from kiloserve.gateway.upstream import UpstreamPool, UpstreamResponse, header_tokens
+from kiloserve.gateway.stall import StallWatchdog
+from kiloserve.gateway.upstream import UpstreamPool, UpstreamResponse
 from kiloserve.policies.base import Decision, RequestInfo
 from kiloserve.routing.router import Router
 from kiloserve.routing.table import BackendTable
@@ -64,34 +72,7 @@ __all__ = ["BACKEND_HEADER", "REQUEST_ID_HEADER", "ProxyContext", "forward"]
 
 logger = logging.getLogger(__name__)
 
-BACKEND_HEADER = "x-kiloserve-backend"
-REQUEST_ID_HEADER = "x-request-id"
 _CLIENT_GONE = 499
-
-# Hop-by-hop headers (RFC 9110 section 7.6.1): never passed on, either way.
-_HOP_BY_HOP = frozenset(
-    (b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer",
-     b"transfer-encoding", b"upgrade")
-)  # fmt: skip
-# Client -> engine: the gateway sets Host, Content-Length, Content-Type (the body may
-# be rewritten) and x-request-id itself; it has already answered any Expect; it reads
-# the engine's answers (usage, SSE events), so it asks for no compression.
-_NOT_FORWARDED = _HOP_BY_HOP | {
-    b"host", b"content-length", b"content-type", b"expect", b"accept-encoding",
-    b"content-encoding",  # the body the gateway sends on is the decoded one
-    b"x-request-id",
-}  # fmt: skip
-# With gateway API keys on, the client's key is the gateway's secret (S6.1).
-_NOT_FORWARDED_WITH_KEYS = _NOT_FORWARDED | {b"authorization"}
-# Engine -> client: the body is re-framed (Content-Length), Content-Type is set once,
-# the gateway's own ids win, and Date / Server are the gateway's (as nginx does).
-_NOT_RELAYED = _HOP_BY_HOP | {
-    b"content-length", b"content-type", b"x-request-id", b"x-kiloserve-backend",
-    b"date", b"server",
-}  # fmt: skip
-# ``Connection`` values that name no other header (the common case: no set to build)
-_PLAIN_CONNECTION = frozenset(("keep-alive", "close"))
-_Pairs = list[tuple[str, str]]
 
 
 @dataclass(slots=True)
@@ -140,37 +121,7 @@ class _Failure:
     reason: str
     status: int = 502
     body: bytes | None = None
-    headers: _Pairs | None = None  # the engine's answer's headers, to relay with ``body``
-
-
-def _client_headers(request: web.Request, drop: frozenset[bytes]) -> list[tuple[bytes, bytes]]:
-    """The client's raw headers for the engine: all but ``drop`` and those its
-    ``Connection`` header names."""
-    connection = request.headers.get("Connection")
-    if connection is not None and connection.lower() not in _PLAIN_CONNECTION:
-        drop = drop | header_tokens(connection.encode("latin-1"))
-    return [(name, value) for name, value in request.raw_headers if name.lower() not in drop]
-
-
-def _relayed_headers(
-    call: _Call, backend_id: str, resp: UpstreamResponse, default_type: str
-) -> _Pairs:
-    """The engine's headers for the client: all but the hop-by-hop ones and what the
-    gateway sets; then Content-Type and the gateway's own two headers."""
-    drop = _NOT_RELAYED
-    if resp.connection_tokens:
-        drop = drop | resp.connection_tokens
-    headers = [
-        (name.decode("latin-1"), value.decode("utf-8", "replace"))
-        for name, value in resp.headers
-        if name not in drop
-    ]
-    headers += [
-        ("Content-Type", resp.content_type or default_type),
-        (REQUEST_ID_HEADER, call.info.request_id),
-        (BACKEND_HEADER, backend_id),
-    ]
-    return headers
+    headers: Pairs | None = None  # the engine's answer's headers, to relay with ``body``
 
 
 def _our_headers(call: _Call, backend_id: str) -> dict[str, str]:
@@ -262,8 +213,7 @@ async def _try_backend(
         async with asyncio.timeout(budget_s):
             base_url = ctx.table.url_of(att.backend_id)
             ours = {"Content-Type": "application/json", REQUEST_ID_HEADER: call.info.request_id}
-            drop = _NOT_FORWARDED_WITH_KEYS if cfg.auth.keys else _NOT_FORWARDED
-            theirs = _client_headers(call.request, drop)
+            theirs = client_headers(call.request, forwarded_drop(has_keys=bool(cfg.auth.keys)))
             body = call.payload if payload is None else payload
             resp = await ctx.upstream.post(base_url, call.path, body, ours, theirs)
             if _retryable_status(resp.status) or resp.status != 200 or not call.is_stream:
@@ -298,60 +248,23 @@ def _whole_response(
 ) -> web.Response:
     if resp.status == 200:
         att.output_tokens = _usage_tokens(body)
-    headers = _relayed_headers(call, att.backend_id, resp, "application/json")
+    headers = relayed_headers(call.info.request_id, att.backend_id, resp, "application/json")
     return web.Response(status=resp.status, body=body, headers=headers)
-
-
-class _Watchdog:
-    """Stall detection: closes the upstream response once no event came for
-    ``timeout_s`` (one timer per stream, re-armed from the last event's time: nothing is
-    done per chunk); ``readany`` then ends and ``stalled`` says why.
-
-    Until a token came (a chat stream's first event is the role chunk, which an engine
-    may send before the prompt is even scheduled) the bound is the first-byte time-out:
-    a queued request is not a stalled one."""
-
-    __slots__ = ("att", "first_s", "handle", "min_events", "relay", "resp", "stalled", "timeout_s")
-
-    def __init__(
-        self, att: _Attempt, resp: UpstreamResponse, relay: SseRelay, timeout_s: float,
-        first_s: float, min_events: int,
-    ) -> None:  # fmt: skip
-        self.att = att
-        self.resp = resp
-        self.relay = relay
-        self.timeout_s = timeout_s
-        self.first_s = max(first_s, timeout_s)
-        self.min_events = min_events
-        self.stalled = False
-        self.handle = att.loop.call_later(timeout_s, self._check)
-
-    def _check(self) -> None:
-        limit_s = self.timeout_s if self.relay.num_events > self.min_events else self.first_s
-        idle_s = self.att.loop.time() - self.att.last_chunk_at
-        if idle_s >= limit_s:
-            self.stalled = True
-            self.resp.close()
-        else:
-            self.handle = self.att.loop.call_later(limit_s - idle_s, self._check)
-
-    def cancel(self) -> None:
-        self.handle.cancel()
 
 
 def _watchdog(
     ctx: ProxyContext, call: _Call, att: _Attempt, resp: UpstreamResponse, relay: SseRelay
-) -> _Watchdog | None:
+) -> StallWatchdog | None:
     mig = ctx.cfg.migration
     if not mig.stall_detection:
         return None
     try:
         tpot_ms = ctx.table.state(att.backend_id).ewma_tpot_ms
-    except KeyError:  # removed meanwhile
+    except NotFoundError:  # removed from the table meanwhile (registry)
         tpot_ms = None
     min_events = 1 if call.path.endswith("/chat/completions") else 0
     timeout_s = stall_timeout_s(mig, tpot_ms)
-    return _Watchdog(att, resp, relay, timeout_s, ctx.cfg.first_byte_timeout_s, min_events)
+    return StallWatchdog(att, resp, relay, timeout_s, ctx.cfg.first_byte_timeout_s, min_events)
 
 
 async def _pump(
@@ -363,7 +276,7 @@ async def _pump(
     chunk: bytes,
     sent: list[bytes] | None,
     splicer: Splicer | None,
-    dog: _Watchdog | None,
+    dog: StallWatchdog | None,
 ) -> None:
     observe_itl = ctx.metrics.observe_itl
     loop_time = att.loop.time
@@ -441,7 +354,7 @@ async def _relay(
 ) -> tuple[web.StreamResponse, int, _Cut | None]:
     """Stream the upstream SSE body to the client as it arrives; returns (response,
     status, the cut to continue elsewhere or None)."""
-    headers = _relayed_headers(call, att.backend_id, resp, "text/event-stream")
+    headers = relayed_headers(call.info.request_id, att.backend_id, resp, "text/event-stream")
     out = web.StreamResponse(status=resp.status, headers=headers)
     out.headers.setdefault("Cache-Control", "no-cache")
     sent: list[bytes] | None = [] if call.body is not None else None
@@ -585,7 +498,7 @@ async def _attempt(
         if _retryable_status(resp.status):
             resp.release()
             att.finish(ok=False, status=resp.status)
-            headers = _relayed_headers(call, backend_id, resp, "application/json")
+            headers = relayed_headers(call.info.request_id, backend_id, resp, "application/json")
             return _Failure(f"http_{resp.status}", resp.status, first, headers)
         return await _serve(ctx, call, att, resp, first)
     except BaseException as exc:
