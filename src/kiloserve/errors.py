@@ -7,6 +7,7 @@
     ├── LaunchError                  a child process failed to start or to become healthy
     ├── EtcdError                    etcd could not be reached or answered an error
     ├── DoctorError                  kiloserve doctor cannot read the gateway it triages
+    ├── KvEventError                 a KV-cache event message not in vLLM's wire format
     ├── BackendError                 an engine failed to answer as expected (gateway side)
     │   └── UpstreamError            connecting to / writing to / reading from it failed
     └── RequestError                 400 invalid_request_error   the base of every HTTP error
@@ -50,6 +51,7 @@ __all__ = [
     "ForbiddenError",
     "GatewayTimeoutError",
     "KiloserveError",
+    "KvEventError",
     "LaunchError",
     "MethodNotAllowedError",
     "NotFoundError",
@@ -106,6 +108,10 @@ class EtcdError(KiloserveError):
 
 class DoctorError(KiloserveError):
     """``kiloserve doctor`` cannot read the gateway it triages."""
+
+
+class KvEventError(KiloserveError):
+    """A KV-cache event message (ZMQ frame or msgpack batch) not in vLLM's format."""
 
 
 class BackendError(KiloserveError):

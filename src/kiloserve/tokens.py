@@ -15,6 +15,7 @@ most four letters joined by single spaces, so N words are exactly N tokens here.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import zlib
 from collections.abc import Sequence
@@ -24,10 +25,12 @@ __all__ = [
     "FILLER_WORDS",
     "MAX_TOKEN_ID",
     "block_hashes",
+    "cache_seed",
     "chunk_bounds",
     "count_tokens",
     "estimate_tokens",
     "filler_text",
+    "prefix_block_hashes",
     "tokenize",
 ]
 
@@ -153,5 +156,33 @@ def block_hashes(token_ids: Sequence[int], block_size: int = 16) -> list[int]:
         chunk = token_ids[start : start + block_size]
         data = prev.to_bytes(8, "little") + b"".join(t.to_bytes(4, "little") for t in chunk)
         prev = zlib.crc32(data) | (zlib.adler32(data) << 32)
+        out.append(prev)
+    return out
+
+
+def cache_seed(lora_name: str | None = None, cache_salt: str | None = None) -> int:
+    """The root of a prompt's ``prefix_block_hashes`` chain: 0 for the base model
+    without a cache salt, else a stable 63-bit digest of both (as vLLM keys blocks by
+    LoRA and salt too: the same tokens under another adapter or salt never match)."""
+    if not lora_name and not cache_salt:
+        return 0
+    data = f"{lora_name or ''}\x00{cache_salt or ''}".encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big") >> 1
+
+
+def prefix_block_hashes(token_ids: Sequence[int], block_size: int = 16, seed: int = 0) -> list[int]:
+    """The gateway's chained block hashes: ``hash((prev, block_tuple))`` from ``seed``.
+
+    Used for routing (the approximate index, and the exact index built from the
+    engines' KV events, whose token ids are hashed the same way). Python's tuple hash
+    of ints is not salted (``PYTHONHASHSEED`` salts only str and bytes), so the values
+    are stable across processes of one Python version; ~10x cheaper than
+    ``block_hashes``. Equal to the simulator's sequence hashes (seed 0).
+    """
+    out: list[int] = []
+    prev = seed
+    end = len(token_ids) - len(token_ids) % block_size
+    for block in zip(*[iter(token_ids[:end])] * block_size, strict=False):
+        prev = hash((prev, block))
         out.append(prev)
     return out

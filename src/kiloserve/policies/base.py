@@ -13,10 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import ClassVar, Final
+from typing import TYPE_CHECKING, ClassVar, Final
 
 from kiloserve.policies.protocol import Policy  # pure module: see its docstring
 from kiloserve.values import Value
+
+if TYPE_CHECKING:
+    from kiloserve.kvevents.feed import KvEventCache
 
 __all__ = [
     "BackendState",
@@ -127,6 +130,9 @@ class ClusterSnapshot:
     # > 0), precomputed by a caller that sees every change of the health fields and
     # weights (the simulator's gateway); None: filtered per decision.
     eligible_by_model: dict[str, tuple[BackendState, ...]] | None = field(default=None, repr=False)
+    # The engines' own prefix caches, from their KV events (exact for the backends in
+    # ``kv_cache.exact_backends``); None when no backend publishes events.
+    kv_cache: KvEventCache | None = field(default=None, repr=False)
 
     def pool(self, model: str) -> tuple[BackendState, ...]:
         """Every backend serving ``model`` (healthy or not), in snapshot order."""

@@ -31,6 +31,9 @@ class BackendConfig(BaseModel):
     weight: float = Field(default=1.0, ge=0.0)
     engine: EngineKind = "auto"
     kv_capacity_tokens: int | None = Field(default=None, ge=1)  # admission budget (admission.md)
+    # vLLM's --kv-events-config publisher (docs/kv-events.md): the gateway subscribes
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
 
     @field_validator("url")
     @classmethod
@@ -41,6 +44,25 @@ class BackendConfig(BaseModel):
                 f"must be an http://host:port URL (https is not supported), got {url!r}"
             )
         return url
+
+    @field_validator("kv_events_endpoint", "kv_events_replay_endpoint")
+    @classmethod
+    def _zmq_endpoint(cls, endpoint: str | None) -> str | None:
+        if endpoint is None:
+            return None
+        if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
+            return endpoint
+        parts = urlsplit(endpoint)
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if parts.scheme != "tcp" or not parts.hostname or parts.hostname == "*" or not port:
+            raise ValueError(
+                "must be a ZMQ endpoint to connect to, tcp://host:port or ipc://path, "
+                f"got {endpoint!r}"
+            )
+        return endpoint
 
     @property
     def backend_id(self) -> str:

@@ -37,6 +37,7 @@ from kiloserve.policies.base import BackendState, ClusterSnapshot, Outcome, Requ
 from kiloserve.routing.config import BackendConfig
 
 if TYPE_CHECKING:
+    from kiloserve.kvevents.feed import KvEventCache
     from kiloserve.routing.engine_metrics import EngineMetrics
 
 __all__ = ["EWMA_ALPHA", "BackendRecord", "BackendTable", "TableSettings"]
@@ -114,6 +115,9 @@ class BackendTable:
         self._pools: dict[str, tuple[BackendState, ...]] = {}
         self._pool_ids: dict[str, frozenset[str]] = {}
         self._rebuild_pools()
+        # the engines' prefix caches from KV events (set by the gateway or simulator
+        # when backends publish them); every snapshot carries it to the policy
+        self.kv_cache: KvEventCache | None = None
 
     # -- lookup --------------------------------------------------------------------
     def backend_ids(self) -> list[str]:
@@ -156,6 +160,7 @@ class BackendTable:
             backends=self._states,
             _by_model=dict(self._pools),
             eligible_by_model=eligible_by_model,
+            kv_cache=self.kv_cache,
         )
 
     def is_ready(self) -> bool:
