@@ -109,7 +109,11 @@ def _event_map(event: Event) -> dict[str, Any]:
             out["extra_keys"] = [None if k is None else list(k) for k in event.extra_keys]
         return out
     if isinstance(event, BlockRemoved):
-        return {"type": "BlockRemoved", "block_hashes": list(event.block_hashes), "medium": event.medium}
+        return {
+            "type": "BlockRemoved",
+            "block_hashes": list(event.block_hashes),
+            "medium": event.medium,
+        }
     return {"type": "AllBlocksCleared"}
 
 

@@ -4,17 +4,20 @@ Algorithm:
 
 1. Prompts shorter than ``min_prompt_tokens`` (512, seed 000 disables prefix caching
    below it) or without ``prefix_hashes`` go to the least loaded backend.
-2. Look up the request's chained block hashes in a ``PrefixIndex`` of which backend
-   recently received which blocks. The target is the candidate with the longest
-   match; ties go to the lower ``signals.load_rank``, then snapshot order.
+2. Look up the request's chained block hashes: in the engines' own KV-event index for
+   backends whose event stream is in order (exact), else in a ``PrefixIndex`` of which
+   backend recently received which blocks (``prefix_index.cached_depths``). The target
+   is the candidate with the longest match; ties go to the lower
+   ``signals.load_rank``, then snapshot order.
 3. No match, or a match below ``min_match_fraction`` (0.0) of the prompt's blocks:
    least load.
-4. The target's scraped load is unknown (stale/missing): it counts as saturated, so
-   least load.
-5. Imbalance guard (SGLang): over candidates with known load, if
-   ``max_load - min_load > balance_abs_threshold`` (32 requests per capacity weight)
-   and ``max_load > min_load * balance_rel_threshold`` (1.5), use least load.
-6. Otherwise the target, followed by the rest in least-load order.
+4. Imbalance guard (SGLang): if ``max_load - min_load > balance_abs_threshold`` (32
+   requests per capacity weight) and ``max_load > min_load * balance_rel_threshold``
+   (1.5), use least load. A backend whose scraped load is unknown (no ``/metrics``,
+   stale) counts with the gateway's own in-flight requests: SGLang's router needs no
+   metrics either, and treating unknown as saturated would give up every prefix
+   (issue 14: hit rate 0.998 -> 0.31 on backends without metrics).
+5. Otherwise the target, followed by the rest in least-load order.
 
 Load is ``signals.request_load`` (requests per unit of weight * effective_weight).
 ``on_dispatch`` records up to ``max_num_blocks_per_request`` (1024) leading blocks of
@@ -30,7 +33,7 @@ from pydantic import Field
 
 from kiloserve.policies.base import BackendState, ClusterSnapshot, Decision, Outcome, RequestInfo
 from kiloserve.policies.params import PolicyParams
-from kiloserve.policies.prefix_index import PrefixIndex
+from kiloserve.policies.prefix_index import PrefixIndex, cached_depths
 from kiloserve.policies.ranking import ids, order_by
 from kiloserve.policies.signals import UNKNOWN_LOAD_OFFSET, candidates, load_ranks
 
@@ -48,8 +51,9 @@ class PrefixAffinityParams(PolicyParams):
 
 
 def is_imbalanced(ranks: list[float], abs_threshold: float, rel_threshold: float) -> bool:
-    """SGLang's guard over the load ranks of the candidates whose load is known."""
-    loads = [x for x in ranks if x < UNKNOWN_LOAD_OFFSET]
+    """SGLang's guard over the candidates' load ranks (an unknown scraped load counts
+    as the in-flight load the rank holds under its offset)."""
+    loads = [x - UNKNOWN_LOAD_OFFSET if x >= UNKNOWN_LOAD_OFFSET else x for x in ranks]
     if len(loads) < 2:
         return False
     max_load, min_load = max(loads), min(loads)
@@ -90,11 +94,10 @@ class PrefixAffinityPolicy:
         hashes = request.prefix_hashes[: p.max_num_blocks_per_request]
         if request.input_tokens < p.min_prompt_tokens or not hashes:
             return self._least_load(pool, order, "short prompt")
-        index, depth = _best_match(pool, ranks, self.index.match_depths(hashes))
+        depths = cached_depths(self.index, snapshot, hashes)
+        index, depth = _best_match(pool, ranks, depths)
         if depth == 0 or depth < p.min_match_fraction * len(hashes):
             return self._least_load(pool, order, "no prefix match")
-        if ranks[index] >= UNKNOWN_LOAD_OFFSET:
-            return self._least_load(pool, order, "target load unknown")
         if is_imbalanced(ranks, p.balance_abs_threshold, p.balance_rel_threshold):
             return self._least_load(pool, order, "imbalanced")
         ranked = ids(pool, [index, *[i for i in order if i != index]])

@@ -19,8 +19,29 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from kiloserve.errors import ConfigError
+from kiloserve.policies.base import ClusterSnapshot
 
-__all__ = ["PrefixIndex"]
+__all__ = ["PrefixIndex", "cached_depths"]
+
+
+def cached_depths(
+    index: PrefixIndex, snapshot: ClusterSnapshot, prefix_hashes: Sequence[int]
+) -> dict[str, int]:
+    """Backend -> leading blocks of ``prefix_hashes`` it holds: from the engines' own KV
+    events for the backends whose stream is in order (``snapshot.kv_cache``, exact),
+    from ``index`` (what this gateway sent where) for the others."""
+    approx = index.match_depths(prefix_hashes)
+    cache = snapshot.kv_cache
+    if cache is None:
+        return approx
+    exact_ids = cache.exact_backends
+    if not exact_ids:
+        return approx
+    depths = cache.match_depths(tuple(prefix_hashes))
+    for backend_id, depth in approx.items():
+        if backend_id not in exact_ids:
+            depths[backend_id] = depth
+    return depths
 
 
 class PrefixIndex:

@@ -5,17 +5,31 @@ Algorithm: candidates are ``signals.candidates``. Each configured scorer
 candidate a score in [0, 1]; the total is ``sum(weight_k * score_k) / sum(weight_k)``,
 so it is in [0, 1] too. Pickers:
 
-* ``max``: highest total; ties go to snapshot order. Ranked by descending total.
+* ``max``: highest total; equal top totals are broken with one ``rng`` draw (at idle
+  every backend ties: snapshot order would send every request to the first one).
+  Ranked by descending total.
 * ``weighted_random``: probability proportional to the total (one ``rng.random()``);
   all totals 0 falls back to least load. Fallbacks by descending total.
 
 Example: ``{"scorers": {"queue": 1.0, "kv": 1.0, "prefix": 2.0, "latency": 0.5},
 "picker": "max"}``. Scorer weights must be >= 0 with at least one > 0; zero-weight
-scorers are not run. The prefix scorer keeps a ``PrefixIndex`` updated in
-``on_dispatch`` (same bounds as ``prefix_affinity``: 200,000 blocks, 8 holders per
-block, 1024 blocks per request) and scores 0 below ``min_prompt_tokens`` (512). The
-session scorer hashes the session key onto the pool's groups (``num_vnodes`` 64)
-without load bounds: the load scorers bound it.
+scorers are not run. Cached prefixes come from the engines' own KV events for the
+backends whose event stream is in order (exact), else from a ``PrefixIndex`` of what
+this gateway sent where, updated in ``on_dispatch`` (same bounds as
+``prefix_affinity``: 200,000 blocks, 8 holders per block, 1024 blocks per request);
+prefix scoring stops below ``min_prompt_tokens`` (512). The session scorer hashes the
+session key onto the pool's groups (``num_vnodes`` 64) without load bounds: the load
+scorers bound it.
+
+Sticky until saturated (``sticky``, on by default; llm-d's precise prefix routing):
+when some candidate holds at least ``sticky_min_tokens`` (256) of the prompt, the
+request goes to the deepest holder (several: the best total among them) unless that
+backend is saturated: its engine queues ``sticky_max_waiting`` (4) requests or more,
+or its request load (``signals`` rules; unknown scraped load counts as its in-flight
+requests) exceeds the pool's least by more than ``sticky_abs_load`` (8 per unit of
+capacity weight) and by the factor ``sticky_rel_load`` (1.5). Then the scores decide.
+A prefix hit saves the whole cached prefill, which no load score weighs; the guard
+keeps one hot prefix from piling onto one backend. Docs: docs/policies.md.
 """
 
 from __future__ import annotations
@@ -31,10 +45,10 @@ from kiloserve.policies.base import BackendState, ClusterSnapshot, Decision, Out
 from kiloserve.policies.defaults import DEFAULT_PICKER, DEFAULT_SCORER_WEIGHTS
 from kiloserve.policies.hash_ring import RingCache, group_name, stable_hash64
 from kiloserve.policies.params import PolicyParams
-from kiloserve.policies.prefix_index import PrefixIndex
+from kiloserve.policies.prefix_index import PrefixIndex, cached_depths
 from kiloserve.policies.ranking import least_load_order, rank_by_keys
 from kiloserve.policies.scorers import SCORERS, ScorerName, ScoringContext
-from kiloserve.policies.signals import candidates
+from kiloserve.policies.signals import UNKNOWN_LOAD_OFFSET, candidates, load_ranks
 
 __all__ = ["ScoredParams", "ScoredPolicy"]
 
@@ -54,6 +68,11 @@ class ScoredParams(PolicyParams):
     num_vnodes: int = Field(default=64, ge=1, le=4096)
     block_size: int = Field(default=16, ge=1)
     include_scores: bool = False
+    sticky: bool = True
+    sticky_min_tokens: int = Field(default=256, ge=1)
+    sticky_max_waiting: int = Field(default=4, ge=1)
+    sticky_abs_load: float = Field(default=8.0, ge=0.0)
+    sticky_rel_load: float = Field(default=1.5, ge=1.0)
 
     @field_validator("scorers")
     @classmethod
@@ -84,14 +103,60 @@ class ScoredPolicy:
         pool = candidates(request, snapshot)
         if not pool:
             return Decision(ranked=(), policy=self.name, reason="no eligible backend")
-        totals = self.totals(self._context(request, snapshot, pool))
+        ctx = self._context(request, snapshot, pool)
+        totals = self.totals(ctx)
         scores = None
         if self.params.include_scores:
             scores = {b.backend_id: t for b, t in zip(pool, totals, strict=True)}
         by_total = rank_by_keys(pool, [-t for t in totals])
+        sticky = self._sticky_target(ctx, totals) if self.params.sticky else None
+        if sticky is not None:
+            first = pool[sticky].backend_id
+            ranked = (first, *[bid for bid in by_total if bid != first])
+            return Decision(ranked=ranked, policy=self.name, reason="prefix", scores=scores)
         if self.params.picker == "max":
-            return Decision(ranked=by_total, policy=self.name, scores=scores)
+            return self._max(pool, totals, by_total, rng, scores)
         return self._weighted_random(pool, totals, by_total, rng, scores)
+
+    def _max(
+        self,
+        pool: list[BackendState],
+        totals: list[float],
+        by_total: tuple[str, ...],
+        rng: random.Random,
+        scores: dict[str, float] | None,
+    ) -> Decision:
+        """Highest total first; equal top totals broken by one ``rng`` draw."""
+        top = max(totals)
+        tied = [i for i, t in enumerate(totals) if t == top]
+        if len(tied) == 1:
+            return Decision(ranked=by_total, policy=self.name, scores=scores)
+        first = pool[tied[rng.randrange(len(tied))]].backend_id
+        ranked = (first, *[bid for bid in by_total if bid != first])
+        return Decision(ranked=ranked, policy=self.name, reason="tie", scores=scores)
+
+    def _sticky_target(self, ctx: ScoringContext, totals: list[float]) -> int | None:
+        """Index of the deepest prefix holder if it is not saturated (see module doc)."""
+        depths = ctx.prefix_depths
+        if not depths:
+            return None
+        p, pool = self.params, ctx.pool
+        best_depth = max(depths.get(b.backend_id, 0) for b in pool)
+        if best_depth * p.block_size < p.sticky_min_tokens:
+            return None
+        warm = [i for i, b in enumerate(pool) if depths.get(b.backend_id, 0) == best_depth]
+        target = max(warm, key=totals.__getitem__)  # ties: snapshot order
+        b = pool[target]
+        waiting = b.num_waiting
+        if waiting is not None and not b.scrape_stale and waiting >= p.sticky_max_waiting:
+            return None
+        loads = [
+            x - UNKNOWN_LOAD_OFFSET if x >= UNKNOWN_LOAD_OFFSET else x for x in load_ranks(pool)
+        ]
+        load, least = loads[target], min(loads)
+        if load - least > p.sticky_abs_load and load > least * p.sticky_rel_load:
+            return None
+        return target
 
     def totals(self, ctx: ScoringContext) -> list[float]:
         """Weighted mean score of every candidate in ``ctx.pool``."""
@@ -135,7 +200,7 @@ class ScoredPolicy:
         )
         hashes = request.prefix_hashes[: p.max_num_blocks_per_request]
         if self.index is not None and hashes and request.input_tokens >= p.min_prompt_tokens:
-            ctx.prefix_depths = self.index.match_depths(hashes)
+            ctx.prefix_depths = cached_depths(self.index, snapshot, hashes)
             ctx.num_prefix_blocks = len(hashes)
         if self._rings is not None and request.session_key is not None:
             ctx.session_group = self._session_group(request, snapshot, pool)

@@ -161,7 +161,8 @@ def test_imbalance_guard_falls_back_to_least_load() -> None:
         ([37.0, 5.0], False),  # diff 32 is not > 32
         ([100.0, 67.0], False),  # diff 33 > 32, but 100 > 67 * 1.5 = 100.5 fails
         ([101.0, 67.0], True),
-        ([40.0, 5.0 + 1e9], False),  # unknown loads do not count
+        ([40.0, 5.0 + 1e9], True),  # unknown scraped load: its in-flight load counts
+        ([30.0, 5.0 + 1e9], False),
         ([50.0], False),
     ],
 )
@@ -169,13 +170,22 @@ def test_is_imbalanced_table(loads: list[float], expected: bool) -> None:
     assert is_imbalanced(loads, 32.0, 1.5) is expected
 
 
-def test_stale_target_counts_as_saturated() -> None:
+def test_unknown_scraped_load_keeps_affinity_on_in_flight_load() -> None:
+    """Issue 14: without engine metrics prefix_affinity gave up its prefixes (hit 0.31):
+    an unknown scraped load counted as saturated. It counts as the in-flight load now."""
     policy = create_policy("prefix_affinity")
     dispatch(policy, req(CHAT_A), "a")
-    s = ClusterSnapshot(0.0, (backend("a", scrape_stale=True), backend("b", num_running=3)))
+    s = ClusterSnapshot(
+        0.0, (backend("a", scrape_stale=True, in_flight=2), backend("b", scrape_stale=True))
+    )
     decision = policy.choose(req(CHAT_A), s, random.Random(0))
-    assert decision.reason == "target load unknown"
-    assert decision.ranked == ("b", "a")
+    assert decision.reason == "prefix"
+    assert decision.ranked == ("a", "b")
+    # ... and the guard still works on in-flight loads alone
+    hot = ClusterSnapshot(
+        0.0, (backend("a", scrape_stale=True, in_flight=40), backend("b", scrape_stale=True))
+    )
+    assert policy.choose(req(CHAT_A), hot, random.Random(0)).reason == "imbalanced"
 
 
 def test_effective_weight_scales_guard_load() -> None:
