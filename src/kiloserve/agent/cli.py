@@ -9,10 +9,12 @@ import signal
 from urllib.parse import urlsplit
 
 import aiohttp
+from pydantic import ValidationError
 
 from kiloserve.agent.loop import Agent, AgentConfig
 from kiloserve.errors import ConfigError
 from kiloserve.gateway.registry.settings import DEFAULT_PREFIX
+from kiloserve.routing.config import BackendConfig
 
 __all__ = ["add_arguments", "config_from_args", "run"]
 
@@ -30,6 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu", default="", help="GPU name to advertise")
     parser.add_argument("--weight", type=float, default=1.0, help="routing weight")
     parser.add_argument("--no-nvml", action="store_true", help="skip NVML node health")
+    parser.add_argument(
+        "--kv-events-endpoint",
+        help="the engine's KV-event publisher for the gateway to subscribe to "
+        "(tcp://host:port or ipc://path; docs/kv-events.md)",
+    )
+    parser.add_argument("--kv-events-replay-endpoint", help="its replay socket")
 
 
 def config_from_args(args: argparse.Namespace) -> AgentConfig:
@@ -43,7 +51,22 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         engine_url=url, etcd=list(args.etcd), name=args.name or parts.netloc,
         models=list(args.model), prefix=args.prefix, ttl_s=args.ttl, interval_s=args.interval,
         gpu=args.gpu, weight=args.weight, is_nvml_enabled=not args.no_nvml,
+        kv_events_endpoint=_kv_endpoint(args.kv_events_endpoint, "--kv-events-endpoint"),
+        kv_events_replay_endpoint=_kv_endpoint(
+            args.kv_events_replay_endpoint, "--kv-events-replay-endpoint"
+        ),
     )  # fmt: skip
+
+
+def _kv_endpoint(value: str | None, flag: str) -> str | None:
+    """A ZMQ endpoint the gateway can connect to (the rule of ``BackendConfig``)."""
+    if value is None:
+        return None
+    try:
+        BackendConfig(url="http://x:1", kv_events_endpoint=value)
+    except ValidationError as exc:
+        raise ConfigError(f"{flag}: {exc.errors()[0]['msg']}") from exc
+    return value
 
 
 async def _main(cfg: AgentConfig) -> None:

@@ -46,6 +46,8 @@ class AgentConfig:
     gpu: str = ""
     weight: float = 1.0
     is_nvml_enabled: bool = True
+    kv_events_endpoint: str | None = None  # the engine's KV-event publisher (docs/kv-events.md)
+    kv_events_replay_endpoint: str | None = None
 
 
 class Agent:
@@ -86,6 +88,8 @@ class Agent:
         backend = BackendConfig(
             url=self.cfg.engine_url, name=self.cfg.name, models=await self._models(),
             gpu=self.cfg.gpu, weight=self.cfg.weight,
+            kv_events_endpoint=self.cfg.kv_events_endpoint,
+            kv_events_replay_endpoint=self.cfg.kv_events_replay_endpoint,
         )  # fmt: skip
         draining = score < self.cfg.min_health_score
         health = {"score": score, "nvml": nvml}

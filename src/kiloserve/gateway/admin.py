@@ -12,7 +12,9 @@ middleware (``gateway/errors.py``).
 * ``GET  /admin/backends``               live state and weights of every backend
 * ``POST /admin/backends/{name}/drain``   stop routing new requests to a backend
 * ``POST /admin/backends/{name}/undrain`` route to it again
-* ``GET  /admin/config``                  the effective config, secrets redacted
+* ``GET  /admin/config``                  the effective config, secrets redacted, plus
+  ``kv_events`` (per publishing backend: mode, endpoints, counters, blocks;
+  docs/kv-events.md) and ``tokenizer_modes`` (model -> exact / approximate)
 
 Both GET answers carry ``"deployment": {"version", "config_hash"}`` (S5.5): the
 kiloserve version and a hash of the effective config (the same values as the
@@ -29,7 +31,8 @@ import hashlib
 import ipaddress
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -131,10 +134,17 @@ def _json(data: object) -> web.Response:
 
 
 def add_admin_routes(
-    app: web.Application, cfg: GatewayConfig, table: BackendTable, policy_name: str
+    app: web.Application,
+    cfg: GatewayConfig,
+    table: BackendTable,
+    policy_name: str,
+    *,
+    kv_events: Callable[[], Mapping[str, Any]] = dict,
+    tokenizer_modes: Callable[[], Mapping[str, str]] = dict,
 ) -> None:
     """Register the ``/admin/`` routes on ``app``; with ``metrics_token`` set, guard
-    ``/metrics`` (a middleware after the error middleware, so refusals are JSON)."""
+    ``/metrics`` (a middleware after the error middleware, so refusals are JSON).
+    ``kv_events`` and ``tokenizer_modes`` are read for each ``GET /admin/config``."""
     token = cfg.effective_admin_token()
     policy = host_policy(cfg)
     deployment = deployment_record(cfg)
@@ -147,7 +157,12 @@ def add_admin_routes(
         return _json({"policy": policy_name, "deployment": deployment, "backends": rows})
 
     async def config(request: web.Request) -> web.Response:
-        return _json({**cfg.redacted(), "deployment": deployment})
+        return _json({
+            **cfg.redacted(),
+            "deployment": deployment,
+            "kv_events": dict(kv_events()),
+            "tokenizer_modes": dict(tokenizer_modes()),
+        })  # fmt: skip
 
     def drain_handler(draining: bool) -> _Handler:
         async def handler(request: web.Request) -> web.Response:

@@ -1,13 +1,14 @@
 """The gateway application factory and its front-door handlers.
 
 ``create_gateway_app(cfg)`` returns an aiohttp ``Application``; its startup hook opens
-one pooled upstream ``ClientSession`` and starts model discovery and the scrape loop,
-and its cleanup hook stops them. Run it with ``handler_cancellation=True`` (as
-``kiloserve gateway`` does) so a client that disconnects while waiting for a
-non-streaming answer also closes the upstream request. Handlers raise the errors of
-``kiloserve.errors``; one middleware (``gateway/errors.py``) answers them, aiohttp's own
-HTTP errors included, and the app hands aiohttp's protocol handler a rate-limited logger
-(``ProtocolErrorLog``) for requests too malformed to reach a handler.
+one pooled upstream ``ClientSession`` and starts model discovery, the scrape loop and
+the KV-event subscriber (``gateway/kvevents.py``), and its cleanup hook stops them. Run
+it with ``handler_cancellation=True`` (as ``kiloserve gateway`` does) so a client that
+disconnects while waiting for a non-streaming answer also closes the upstream request.
+Handlers raise the errors of ``kiloserve.errors``; one middleware (``gateway/errors.py``)
+answers them, aiohttp's own HTTP errors included, and the app hands aiohttp's protocol
+handler a rate-limited logger (``ProtocolErrorLog``) for requests too malformed to reach
+a handler.
 
 The front door checks what the proxy relies on: the body decodes (``Content-Encoding``
 none / identity / gzip / deflate, or br / zstd where aiohttp can decode them), is a JSON
@@ -32,7 +33,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -54,6 +55,7 @@ from kiloserve.gateway.dashboard import add_dashboard_routes
 from kiloserve.gateway.dashboard_state import DashboardRecorder
 from kiloserve.gateway.errors import ProtocolErrorLog, error_middleware
 from kiloserve.gateway.headers import REQUEST_ID_HEADER
+from kiloserve.gateway.kvevents import KvEventSubscriber
 from kiloserve.gateway.limits import BodyBudget, accept_error_filter, make_runner
 from kiloserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from kiloserve.gateway.profile import Profiler
@@ -69,6 +71,7 @@ from kiloserve.routing.table import BackendTable
 __all__ = [
     "BODY_BUDGET_KEY",
     "CTX_KEY",
+    "KV_EVENTS_KEY",
     "METRICS_KEY",
     "TABLE_KEY",
     "create_gateway_app",
@@ -98,6 +101,7 @@ _SESSION_KEY = web.AppKey("kiloserve_gateway_session", aiohttp.ClientSession)
 _IDS_KEY = web.AppKey("kiloserve_gateway_ids", _RequestIds)
 RESILIENCE_KEY = web.AppKey("kiloserve_gateway_resilience", Resilience)
 BODY_BUDGET_KEY = web.AppKey("kiloserve_gateway_bodies", BodyBudget)
+KV_EVENTS_KEY = web.AppKey("kiloserve_gateway_kv_events", KvEventSubscriber)
 _LOOP_HANDLER_KEY = web.AppKey("kiloserve_gateway_loop_handler", list)
 _MAX_REQUEST_ID_CHARS = 128
 # the request's id, kept on the request; aiohttp >= 3.13 wants a RequestKey, older has none
@@ -438,6 +442,7 @@ async def _on_startup(app: web.Application) -> None:
     registry_task = start_registry(cfg, ctx.table, ctx.metrics)
     if registry_task is not None:
         tasks.append(registry_task)
+    app[KV_EVENTS_KEY].start()
     logger.info(
         "gateway policy=%s backends=%d", ctx.router.policy_name, len(ctx.table.backend_ids())
     )
@@ -455,10 +460,17 @@ async def _on_cleanup(app: web.Application) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await task
     tasks.clear()
+    await app[KV_EVENTS_KEY].close()
     await app[RESILIENCE_KEY].close()
     await app[CTX_KEY].upstream.close()
     if _SESSION_KEY in app:
         await app[_SESSION_KEY].close()
+
+
+def _tokenizer_modes(profiler: Profiler) -> Callable[[], dict[str, str]]:
+    """The profiler's model -> "exact" / "approximate" (``{}`` from a profiler without)."""
+    modes: Callable[[], dict[str, str]] | None = getattr(profiler, "tokenizer_modes", None)
+    return modes if modes is not None else dict
 
 
 def create_gateway_app(cfg: GatewayConfig, *, policy: Policy | None = None) -> web.Application:
@@ -470,13 +482,15 @@ def create_gateway_app(cfg: GatewayConfig, *, policy: Policy | None = None) -> w
     router.decision_listeners.append(
         lambda _info, decision, ranked: gw_metrics.decision(decision.policy, ranked[0])
     )
+    profiler = Profiler(cfg)
+    gw_metrics.tokenizer_modes = _tokenizer_modes(profiler)
     ctx = ProxyContext(
         cfg=cfg,
         upstream=UpstreamPool(cfg.connect_timeout_s, cfg.max_idle_connections),
         table=table,
         metrics=gw_metrics,
         router=router,
-        profiler=Profiler(cfg),
+        profiler=profiler,
         dashboard=DashboardRecorder(cfg.dashboard) if cfg.dashboard.enabled else None,
     )
     app = web.Application(
@@ -497,13 +511,22 @@ def create_gateway_app(cfg: GatewayConfig, *, policy: Policy | None = None) -> w
     app[RESILIENCE_KEY] = Resilience(cfg, router, gw_metrics)
     app[BODY_BUDGET_KEY] = BodyBudget(cfg.max_buffered_body_bytes)
     app[_LOOP_HANDLER_KEY] = []
+    kv_events = KvEventSubscriber(table, gw_metrics, block_size=cfg.block_size)
+    app[KV_EVENTS_KEY] = kv_events
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
-    add_admin_routes(app, cfg, table, chosen.name)
+    add_admin_routes(
+        app,
+        cfg,
+        table,
+        chosen.name,
+        kv_events=kv_events.describe,
+        tokenizer_modes=gw_metrics.tokenizer_modes,
+    )
     add_dashboard_routes(app, ctx, app[RESILIENCE_KEY].describe)
     install_flow_control(app, ctx, cfg)
     app.on_startup.append(_on_startup)

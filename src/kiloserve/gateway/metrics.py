@@ -8,13 +8,21 @@ Deployment records (S5.5) are info-style gauges equal to 1:
 ``kiloserve_gateway_info{version, config_hash}`` and one
 ``kiloserve_backend_info{backend, model, version, gpu}`` per backend and model (models
 as discovered from the backend or configured; ``version`` and ``gpu`` from its config).
+
+KV-cache events (docs/kv-events.md), read from ``table.kv_cache`` at collection time:
+per backend ``kiloserve_kv_events_total``, ``_kv_event_batches_total``,
+``_kv_event_gaps_total``, ``_kv_event_resyncs_total`` (gaps the replay could not close,
+and losses), ``_kv_event_restarts_total``, ``_kv_event_bad_messages_total`` and
+``kiloserve_kv_index_mode{backend, mode}`` (1 for the current mode, 0 for the other);
+``kiloserve_kv_index_blocks`` (distinct blocks in the exact index) and
+``kiloserve_tokenizer_mode{model, mode}`` (from ``tokenizer_modes``, set by the app).
 """
 
 from __future__ import annotations
 
 import time
 from bisect import bisect_left
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -106,6 +114,81 @@ class _InfoCollector(Collector):
         yield backends
 
 
+_KV_MODES = ("exact", "approximate")
+
+
+class _KvCollector(Collector):
+    """KV-event feeds, the exact index and the tokenizer modes, read at collection time."""
+
+    def __init__(self, metrics: GatewayMetrics, table: BackendTable) -> None:
+        self._m = metrics
+        self._table = table
+
+    def collect(self) -> Iterator[Any]:
+        cache = self._table.kv_cache
+        labels = ["backend"]
+        counters = {
+            "events": CounterMetricFamily(
+                "kiloserve_kv_events", "KV-cache events applied to the exact index", labels=labels
+            ),
+            "batches": CounterMetricFamily(
+                "kiloserve_kv_event_batches", "KV event batches applied", labels=labels
+            ),
+            "gaps": CounterMetricFamily(
+                "kiloserve_kv_event_gaps", "KV event sequence gaps seen", labels=labels
+            ),
+            "resyncs": CounterMetricFamily(
+                "kiloserve_kv_event_resyncs",
+                "KV event gaps the replay could not close, and lost streams (entries dropped)",
+                labels=labels,
+            ),
+            "restarts": CounterMetricFamily(
+                "kiloserve_kv_event_restarts", "KV event publisher restarts seen", labels=labels
+            ),
+        }
+        bad = CounterMetricFamily(
+            "kiloserve_kv_event_bad_messages",
+            "KV event messages that did not decode",
+            labels=labels,
+        )
+        for feed in cache.feeds() if cache is not None else ():
+            c, bid = feed.counters, [feed.backend_id]
+            counters["events"].add_metric(bid, c.events)
+            counters["batches"].add_metric(bid, c.batches)
+            counters["gaps"].add_metric(bid, c.gaps)
+            counters["resyncs"].add_metric(bid, c.resyncs + c.losses)
+            counters["restarts"].add_metric(bid, c.restarts)
+        for backend_id, num in self._m.kv_bad_messages.items():
+            bad.add_metric([backend_id], num)
+        yield from counters.values()
+        yield bad
+        yield from self._gauges()
+
+    def _gauges(self) -> Iterator[Any]:
+        cache = self._table.kv_cache
+        mode = GaugeMetricFamily(
+            "kiloserve_kv_index_mode", "1 for the backend's current prefix index mode",
+            labels=["backend", "mode"],
+        )  # fmt: skip
+        for backend_id in self._table.backend_ids():
+            current: str = cache.mode(backend_id) if cache is not None else "approximate"
+            for name in _KV_MODES:
+                mode.add_metric([backend_id, name], 1.0 if name == current else 0.0)
+        blocks = GaugeMetricFamily(
+            "kiloserve_kv_index_blocks", "distinct blocks in the exact (KV event) index"
+        )
+        blocks.add_metric([], cache.index.num_blocks if cache is not None else 0)
+        tokenizer = GaugeMetricFamily(
+            "kiloserve_tokenizer_mode",
+            "1 for the model's token counting: exact (its tokenizer) or approximate",
+            labels=["model", "mode"],
+        )  # fmt: skip
+        for model, tok_mode in sorted(self._m.tokenizer_modes().items()):
+            for name in dict.fromkeys((*_KV_MODES, tok_mode)):
+                tokenizer.add_metric([model, name], 1.0 if name == tok_mode else 0.0)
+        yield from (mode, blocks, tokenizer)
+
+
 class _Histogram:
     """A cheap histogram (bucket counts + sum) for one label set."""
 
@@ -187,9 +270,13 @@ class GatewayMetrics:
         self.ttft: dict[str, _Histogram] = {}
         self.itl: dict[str, _Histogram] = {}
         self.e2e: dict[str, _Histogram] = {}
+        self.kv_bad_messages: dict[str, int] = {}
+        # model -> "exact" | "approximate" (the app sets the profiler's)
+        self.tokenizer_modes: Callable[[], Mapping[str, str]] = dict
         self.registry.register(_HotPathCollector(self))
         self.registry.register(_TableCollector(table))
         self.registry.register(_InfoCollector(table, __version__, config_hash))
+        self.registry.register(_KvCollector(self, table))
 
     @staticmethod
     def _inc(counts: dict[tuple[str, ...], int], key: tuple[str, ...]) -> None:
@@ -221,6 +308,11 @@ class GatewayMetrics:
         """A stream continued on another backend (``reason``: crash, error, stall)."""
         self._inc(self.migrations, (reason,))
         self.migrated_tokens += replayed_tokens
+
+    def kv_bad_message(self, backend: str) -> int:
+        """A KV event message from ``backend`` did not decode; the count so far."""
+        num = self.kv_bad_messages[backend] = self.kv_bad_messages.get(backend, 0) + 1
+        return num
 
     def decision(self, policy: str, backend: str) -> None:
         self._inc(self.decisions, (policy, backend))

@@ -23,7 +23,18 @@ from kiloserve.gateway.config import BackendConfig
 
 __all__ = ["RegistryRecord", "decode_record", "encode_record"]
 
-_BACKEND_KEYS = ("url", "name", "models", "gpu", "group", "version", "weight", "engine")
+_BACKEND_KEYS = (
+    "url",
+    "name",
+    "models",
+    "gpu",
+    "group",
+    "version",
+    "weight",
+    "engine",
+    "kv_events_endpoint",
+    "kv_events_replay_endpoint",
+)
 
 
 @dataclass(frozen=True, slots=True)
