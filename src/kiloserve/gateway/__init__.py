@@ -17,6 +17,7 @@ nothing eagerly: ``from kiloserve.gateway import X`` loads X's module on first u
 * ``sse``: server-sent-event framing, the usage chunk
 * ``profile``: the request profile a policy sees
 * ``scrape``: the per-backend ``/metrics`` scrape loop
+* ``kvevents``: the per-backend KV-event subscriptions (ZMQ) feeding the exact prefix index
 * ``metrics``: the gateway's Prometheus metrics
 * ``admin``: the ``/admin/`` API (backends, drain / undrain, config)
 * ``dashboard``: the live dashboard page and its JSON
