@@ -19,7 +19,8 @@ Limits (issue 15; docs/gateway.md, "Limits and timeouts"): ``max_in_flight`` and
 ``max_buffered_body_bytes`` are checked before a body is read (503 ``overloaded``), a
 body that stalls for ``client_body_timeout_s`` closes its connection, idle keep-alive
 connections close after ``keepalive_timeout_s``, and bodies over
-``profile_offload_bytes`` are profiled without holding the event loop. Run the app with
+``profile_offload_bytes`` (or ``EXACT_OFFLOAD_BYTES`` when a real tokenizer is configured)
+are profiled without holding the event loop. Run the app with
 ``make_runner(app, cfg)`` (``gateway/limits.py``) for the request-head timeout and the
 connection cap, which live in the protocol handler.
 """
@@ -80,6 +81,10 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+# A real tokenizer (exact mode) costs ~1-5 us per token: bodies past this size are
+# tokenised in a worker thread even under ``profile_offload_bytes`` (issue 14).
+EXACT_OFFLOAD_BYTES = 4 * 1024
 
 
 class _RequestIds:
@@ -303,7 +308,10 @@ async def _proxy(request: web.Request, path: str) -> web.StreamResponse:
         raise
     try:  # len(raw) stays reserved in the body budget until the request is done
         try:
-            if len(raw) <= cfg.profile_offload_bytes:  # the hot path: all synchronous
+            size = len(raw)
+            if size <= cfg.profile_offload_bytes and not (  # the hot path: all synchronous
+                size > EXACT_OFFLOAD_BYTES and ctx.profiler.has_tokenizers
+            ):
                 body = _parse_body(raw)
                 _check_model(body["model"], ctx.table)
                 info = ctx.profiler.profile(rid, body, request.headers)

@@ -59,9 +59,19 @@ class PolicyConfig(_Strict):
 
 
 class ModelConfig(_Strict):
-    """Per-model settings: an optional HuggingFace ``tokenizer.json`` path."""
+    """Per-model settings: an optional HuggingFace ``tokenizer.json`` path (exact token
+    ids, docs/gateway.md "Tokens") and a chat template file (a jinja file, as vLLM's
+    ``--chat-template``; default: ``chat_template.jinja`` or the ``chat_template`` of
+    ``tokenizer_config.json`` next to the tokenizer, read with its special tokens)."""
 
     tokenizer: str | None = None
+    chat_template: str | None = None
+
+    @model_validator(mode="after")
+    def _template_needs_tokenizer(self) -> ModelConfig:
+        if self.chat_template is not None and self.tokenizer is None:
+            raise ValueError("chat_template needs tokenizer (the template's text is encoded)")
+        return self
 
 
 class GatewayConfig(_Strict):

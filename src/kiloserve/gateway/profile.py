@@ -1,11 +1,14 @@
 """Request profiling (S1.1): build the ``RequestInfo`` a policy sees, in well under 5 ms.
 
-* input tokens: a real ``tokenizers`` tokenizer when ``models.<name>.tokenizer`` is
-  configured, else ``kiloserve.tokens.count_tokens`` on the prompt (completions) or on
-  the message contents joined by newlines (chat). Token-id prompts count exactly.
-  Token-id prompts are checked: ids are ints in 0..2^32-1 (bools are not), in a list or
-  a list of lists (one level of nesting, as OpenAI's completions allow); else 400
-  naming ``prompt``.
+* input tokens (docs/gateway.md, "Tokens"): exact when ``models.<name>.tokenizer`` is
+  configured: the ids vLLM computes (``kiloserve.gateway.chat_template``: completions
+  encoded with the tokenizer's special tokens, chat rendered with the model's chat
+  template and encoded without them; ``add_special_tokens`` in the body overrides
+  both). Else approximate: ``kiloserve.tokens`` on the prompt (completions) or on the
+  engine twin's chat rendering (``render_chat_body``), so the ids equal the twin's.
+  Token-id prompts count exactly. They are checked: ids are ints in 0..2^32-1 (bools
+  are not), in a list or a list of lists (one level of nesting, as OpenAI's
+  completions allow); else 400 naming ``prompt``.
 * predicted output tokens: ``max_tokens`` / ``max_completion_tokens`` when given, else
   an EWMA of actual output tokens per (user, model), else ``default_output_tokens``.
 * session key: the ``x-session-id`` header, else the body's ``user``, else the ``sub``
@@ -16,11 +19,14 @@
   one user keeps its session, tenant and history; two long values sharing a prefix stay
   apart). So every per-user structure here (and downstream: affinity, tenant fair
   share) is bounded in bytes per entry as well as in entries, whatever clients send.
-* prefix hashes: ``kiloserve.tokens.block_hashes`` over the first ``max_prefix_tokens``
-  tokens (chained, so a capped prefix still identifies the shared prefix).
+* prefix hashes: ``kiloserve.tokens.prefix_block_hashes`` over the first
+  ``max_prefix_tokens`` tokens (chained, so a capped prefix still identifies the shared
+  prefix), seeded with ``cache_seed(cache_salt=...)``: vLLM's ``cache_salt`` body field
+  (checked as vLLM does: a non-empty string of at most 128 characters without ``@``,
+  ``/``, ``\\`` or NUL; else 400 naming ``cache_salt``) changes every hash.
 * large prompts (issue 15): ``profile_async`` gives the same ``RequestInfo`` without
-  holding the event loop: a configured tokenizer runs in a worker thread (``tokenizers``
-  releases the GIL), the approximation counts in steps of ``OFFLOAD_CHUNK_CHARS``
+  holding the event loop: a configured tokenizer (and the chat template) runs in a
+  worker thread, the approximation counts in steps of ``OFFLOAD_CHUNK_CHARS``
   characters (``kiloserve.tokens.chunk_bounds``) with a yield to the loop between them
   (the regex holds the GIL, so a thread would not help). The front door uses it for
   bodies over ``profile_offload_bytes``; small prompts stay on the synchronous path.
@@ -34,19 +40,32 @@ import binascii
 import hashlib
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from kiloserve.engine.protocol import render_chat_body
 from kiloserve.errors import ConfigError, RequestError
+from kiloserve.gateway.chat_messages import request_flag
 from kiloserve.gateway.config import GatewayConfig
 from kiloserve.policies.base import RequestInfo
-from kiloserve.tokens import MAX_TOKEN_ID, block_hashes, chunk_bounds, count_tokens, tokenize
+from kiloserve.tokens import (
+    MAX_TOKEN_ID,
+    cache_seed,
+    chunk_bounds,
+    count_tokens,
+    prefix_block_hashes,
+    tokenize,
+)
+
+if TYPE_CHECKING:  # jinja2 and tokenizers load only when a tokenizer is configured
+    from kiloserve.gateway.chat_template import ExactTokenizer
 
 __all__ = [
     "MAX_KEY_CHARS",
     "OutputPredictor",
     "Profiler",
+    "approximate_chat_text",
     "bounded_key",
     "jwt_subject",
     "prompt_text",
@@ -56,6 +75,8 @@ MAX_PIECE_CHARS = 5  # one optional leading space + 4 characters (see kiloserve.
 MAX_KEY_CHARS = 128  # longer user / session / model keys are kept as a digest
 OFFLOAD_CHUNK_CHARS = 16 * 1024  # profile_async counts this much text between yields
 _DIGEST_PREFIX = "sha256:"
+MAX_CACHE_SALT_CHARS = 128  # vLLM's limit, with its forbidden characters below
+_CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
 
 
 def bounded_key(value: str) -> str:
@@ -66,10 +87,6 @@ def bounded_key(value: str) -> str:
         return value
     digest = hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()
     return _DIGEST_PREFIX + digest[:32]
-
-
-class _Encoder(Protocol):
-    def __call__(self, text: str) -> list[int]: ...
 
 
 class OutputPredictor:
@@ -147,7 +164,9 @@ def _token_ids(ids: list[Any]) -> list[int]:
 
 def prompt_text(body: Mapping[str, Any]) -> str | list[int]:
     """The prompt as text (or token ids) from a completions or chat body; token ids are
-    checked (``RequestError`` naming ``prompt``)."""
+    checked (``RequestError`` naming ``prompt``). A chat's text is its message contents
+    joined by newlines: not what an engine sees (``approximate_chat_text`` is the
+    twin's rendering, ``kiloserve.gateway.chat_template`` vLLM's)."""
     messages = body.get("messages")
     if isinstance(messages, list):
         return "\n".join(_content_text(m.get("content")) for m in messages if isinstance(m, dict))
@@ -165,6 +184,65 @@ def prompt_text(body: Mapping[str, Any]) -> str | list[int]:
     return ""
 
 
+def approximate_chat_text(body: Mapping[str, Any]) -> str:
+    """The engine twin's chat prompt for ``body`` (``render_chat_body``), so approximate
+    chat ids equal the twin's; a body the twin refuses (the engine answers it) gets the
+    contents joined by newlines (``prompt_text``)."""
+    try:
+        return render_chat_body(dict(body))
+    except (RequestError, KeyError):
+        return str(prompt_text(body))
+
+
+def _cache_seed(body: Mapping[str, Any]) -> int:
+    """The prefix-hash seed of vLLM's ``cache_salt`` (0 without one), checked as vLLM
+    checks it (else 400 naming ``cache_salt``)."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return 0
+    if not isinstance(salt, str) or not salt:
+        raise RequestError("'cache_salt' must be a non-empty string", param="cache_salt")
+    if len(salt) > MAX_CACHE_SALT_CHARS or not _CACHE_SALT_FORBIDDEN.isdisjoint(salt):
+        raise RequestError(
+            f"'cache_salt' must be at most {MAX_CACHE_SALT_CHARS} characters and must not "
+            "contain '@', '/', '\\' or NUL",
+            param="cache_salt",
+        )
+    return cache_seed(lora_name=None, cache_salt=salt)
+
+
+def _exact_ids(tok: ExactTokenizer, body: Mapping[str, Any]) -> list[int]:
+    """The prompt token ids vLLM computes for ``body`` (a batch of text prompts: each
+    one's, one after another; a chat with no template: the twin's text, encoded)."""
+    if isinstance(body.get("messages"), list):
+        template = tok.template
+        text = template.render(body) if template is not None else approximate_chat_text(body)
+        return tok.encode(text, request_flag(body, "add_special_tokens", False))
+    prompt = body.get("prompt")
+    add_special = request_flag(body, "add_special_tokens", True)
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        return [t for p in prompt if isinstance(p, str) for t in tok.encode(p, add_special)]
+    text_or_ids = prompt_text(body)
+    if isinstance(text_or_ids, list):
+        return text_or_ids
+    return tok.encode(text_or_ids, add_special)
+
+
+def _load_tokenizers(cfg: GatewayConfig) -> dict[str, ExactTokenizer]:
+    """Model -> its exact tokenizer, for the models with ``tokenizer`` configured."""
+    paths = {name: (m.tokenizer, m.chat_template) for name, m in cfg.models.items()}
+    configured = {name: (t, c) for name, (t, c) in paths.items() if t is not None}
+    if not configured:
+        return {}
+    try:
+        from kiloserve.gateway.chat_template import load_exact_tokenizer
+    except ImportError as exc:  # pragma: no cover - the 'tokenizer' extra
+        raise ConfigError(
+            "models.*.tokenizer needs the 'tokenizer' extra (tokenizers, jinja2)"
+        ) from exc
+    return {name: load_exact_tokenizer(t, c) for name, (t, c) in configured.items()}
+
+
 def _max_tokens(body: Mapping[str, Any]) -> int | None:
     value = body.get("max_completion_tokens", body.get("max_tokens"))
     if value is None:
@@ -174,20 +252,11 @@ def _max_tokens(body: Mapping[str, Any]) -> int | None:
     return value
 
 
-def _load_encoder(path: str) -> _Encoder:
-    try:
-        from tokenizers import Tokenizer
-    except ImportError as exc:  # pragma: no cover - tokenizers is a dev dependency
-        raise ConfigError("models.*.tokenizer needs the 'tokenizers' package") from exc
-    try:
-        tok = Tokenizer.from_file(path)
-    except Exception as exc:
-        raise ConfigError(f"models.*.tokenizer: cannot load {path}: {exc}") from exc
-
-    def encode(text: str) -> list[int]:
-        return list(tok.encode(text, add_special_tokens=False).ids)
-
-    return encode
+def _approximate_prompt(body: Mapping[str, Any]) -> str | list[int]:
+    """What the approximation counts: the twin's chat text, or the prompt (text or ids)."""
+    if isinstance(body.get("messages"), list):
+        return approximate_chat_text(body)
+    return prompt_text(body)
 
 
 async def count_tokens_yielding(text: str, chunk_chars: int = OFFLOAD_CHUNK_CHARS) -> int:
@@ -207,52 +276,64 @@ class Profiler:
         self._block_size = cfg.block_size
         self._max_prefix_tokens = cfg.max_prefix_tokens
         self.outputs = OutputPredictor(cfg.default_output_tokens)
-        self._encoders: dict[str, _Encoder] = {
-            name: _load_encoder(m.tokenizer) for name, m in cfg.models.items() if m.tokenizer
-        }
+        self._models = tuple(cfg.models)
+        self._tokenizers = _load_tokenizers(cfg)
 
-    def _tokens(self, model: str, prompt: str | list[int]) -> tuple[int, tuple[int, ...]]:
+    @property
+    def has_tokenizers(self) -> bool:
+        """True when some model has a real tokenizer (exact mode)."""
+        return bool(self._tokenizers)
+
+    def tokenizer_modes(self) -> dict[str, str]:
+        """Model -> ``"exact"`` (its tokenizer is configured) or ``"approximate"``, for
+        every model with settings (``models.<name>``)."""
+        return {m: "exact" if m in self._tokenizers else "approximate" for m in self._models}
+
+    def _hashes(self, ids: list[int], seed: int) -> tuple[int, ...]:
+        head = ids[: self._max_prefix_tokens]
+        return tuple(prefix_block_hashes(head, self._block_size, seed))
+
+    def _tokens(self, body: Mapping[str, Any], seed: int) -> tuple[int, tuple[int, ...]]:
         """(input token count, prefix block hashes)."""
+        tok = self._tokenizers.get(body["model"])
+        if tok is not None:
+            ids = _exact_ids(tok, body)
+            return len(ids), self._hashes(ids, seed)
+        prompt = _approximate_prompt(body)
         if isinstance(prompt, list):
-            ids = prompt
-            return len(ids), tuple(block_hashes(ids[: self._max_prefix_tokens], self._block_size))
-        encoder = self._encoders.get(model)
-        if encoder is not None:
-            ids = encoder(prompt)
-            head = ids[: self._max_prefix_tokens]
-            return len(ids), tuple(block_hashes(head, self._block_size))
+            return len(prompt), self._hashes(prompt, seed)
         num_tokens = count_tokens(prompt)
         if num_tokens < self._block_size:  # not one full block: no hashes to compute
             return num_tokens, ()
-        return num_tokens, self._approx_prefix_hashes(prompt)
+        return num_tokens, self._approx_prefix_hashes(prompt, seed)
 
-    def _approx_prefix_hashes(self, text: str) -> tuple[int, ...]:
+    def _approx_prefix_hashes(self, text: str, seed: int) -> tuple[int, ...]:
         max_chars = self._max_prefix_tokens * MAX_PIECE_CHARS
         # past max_chars the last piece may be cut: drop it, the rest is exact
         ids = tokenize(text) if len(text) <= max_chars else tokenize(text[:max_chars])[:-1]
-        return tuple(block_hashes(ids[: self._max_prefix_tokens], self._block_size))
+        return self._hashes(ids, seed)
 
     async def _tokens_async(
-        self, model: str, prompt: str | list[int]
+        self, body: Mapping[str, Any], seed: int
     ) -> tuple[int, tuple[int, ...]]:
-        """``_tokens``, leaving the event loop free while a long text is tokenised."""
+        """``_tokens``, leaving the event loop free while a long prompt is tokenised."""
+        tok = self._tokenizers.get(body["model"])
+        if tok is not None:  # the template and tokenizers, in a worker thread
+            ids = await asyncio.to_thread(_exact_ids, tok, body)
+            return len(ids), self._hashes(ids, seed)
+        prompt = _approximate_prompt(body)
         if isinstance(prompt, list):
-            return self._tokens(model, prompt)
-        encoder = self._encoders.get(model)
-        if encoder is not None:
-            ids = await asyncio.to_thread(encoder, prompt)
-            head = ids[: self._max_prefix_tokens]
-            return len(ids), tuple(block_hashes(head, self._block_size))
+            return len(prompt), self._hashes(prompt, seed)
         num_tokens = await count_tokens_yielding(prompt)
         if num_tokens < self._block_size:
             return num_tokens, ()
-        return num_tokens, self._approx_prefix_hashes(prompt)  # bounded: the prefix only
+        return num_tokens, self._approx_prefix_hashes(prompt, seed)  # bounded: the prefix
 
     def profile(
         self, request_id: str, body: Mapping[str, Any], headers: Mapping[str, str]
     ) -> RequestInfo:
         max_tokens = _max_tokens(body)
-        tokens = self._tokens(body["model"], prompt_text(body))
+        tokens = self._tokens(body, _cache_seed(body))
         return self._info(request_id, body, headers, max_tokens, tokens)
 
     async def profile_async(
@@ -260,8 +341,7 @@ class Profiler:
     ) -> RequestInfo:
         """``profile`` for large prompts: the same answer, without blocking the loop."""
         max_tokens = _max_tokens(body)
-        prompt = prompt_text(body)
-        tokens = await self._tokens_async(body["model"], prompt)
+        tokens = await self._tokens_async(body, _cache_seed(body))
         return self._info(request_id, body, headers, max_tokens, tokens)
 
     def _info(

@@ -11,7 +11,7 @@ import pytest
 from kiloserve.errors import ConfigError, RequestError
 from kiloserve.gateway.config import parse_gateway_config
 from kiloserve.gateway.profile import OutputPredictor, Profiler, jwt_subject, prompt_text
-from kiloserve.tokens import block_hashes, count_tokens, filler_text, tokenize
+from kiloserve.tokens import count_tokens, filler_text, prefix_block_hashes, tokenize
 
 
 def _profiler(**kw: object) -> Profiler:
@@ -38,7 +38,7 @@ def test_profile_counts_tokens_and_hashes_prefix() -> None:
     info = _profiler(block_size=16).profile("r1", {"model": "m", "prompt": text}, {})
     assert info.request_id == "r1" and info.model == "m"
     assert info.input_tokens == count_tokens(text) == 100
-    assert info.prefix_hashes == tuple(block_hashes(tokenize(text), 16))
+    assert info.prefix_hashes == tuple(prefix_block_hashes(tokenize(text), 16))
     assert len(info.prefix_hashes) == 6
     assert info.predicted_output_tokens == 256 and info.max_tokens is None
 
@@ -47,14 +47,14 @@ def test_prefix_hashes_capped_but_exact_for_the_prefix() -> None:
     text = filler_text(5000)
     info = _profiler(max_prefix_tokens=1024).profile("r", {"model": "m", "prompt": text}, {})
     assert info.input_tokens == 5000
-    full = block_hashes(tokenize(text), 16)
+    full = prefix_block_hashes(tokenize(text), 16)
     assert info.prefix_hashes == tuple(full[:64])
 
 
 def test_token_id_prompts_count_exactly() -> None:
     info = _profiler().profile("r", {"model": "m", "prompt": list(range(40))}, {})
     assert info.input_tokens == 40
-    assert info.prefix_hashes == tuple(block_hashes(list(range(40)), 16))
+    assert info.prefix_hashes == tuple(prefix_block_hashes(list(range(40)), 16))
 
 
 def test_predicted_output_from_max_tokens_then_ewma_per_user_and_model() -> None:
@@ -117,6 +117,6 @@ def test_real_tokenizer_when_configured(tmp_path: Path) -> None:
     prof = _profiler(models={"m": {"tokenizer": str(path)}}, block_size=2)
     info = prof.profile("r", {"model": "m", "prompt": "hello world hello zzz"}, {})
     assert info.input_tokens == 4
-    assert info.prefix_hashes == tuple(block_hashes([1, 2, 1, 0], 2))
+    assert info.prefix_hashes == tuple(prefix_block_hashes([1, 2, 1, 0], 2))
     with pytest.raises(ConfigError):
         _profiler(models={"m": {"tokenizer": str(tmp_path / "missing.json")}})
