@@ -25,9 +25,12 @@ Sticky until saturated (``sticky``, on by default; llm-d's precise prefix routin
 when some candidate holds at least ``sticky_min_tokens`` (256) of the prompt, the
 request goes to the deepest holder (several: the best total among them) unless that
 backend is saturated: its engine queues ``sticky_max_waiting`` (4) requests or more,
-or its request load (``signals`` rules; unknown scraped load counts as its in-flight
-requests) exceeds the pool's least by more than ``sticky_abs_load`` (8 per unit of
-capacity weight) and by the factor ``sticky_rel_load`` (1.5). Then the scores decide.
+its KV cache is ``sticky_max_kv_usage`` (0.8) full, its predicted time to first token
+(the ``ttft`` scorer's, cached blocks credited) is over ``sticky_ttft_slack`` (1.25)
+times the best candidate's, or its request load (``signals`` rules; unknown scraped
+load counts as its in-flight requests) exceeds the pool's least by more than
+``sticky_abs_load`` (2 per unit of capacity weight) and by the factor
+``sticky_rel_load`` (1.5). Then the scores decide.
 A prefix hit saves the whole cached prefill, which no load score weighs; the guard
 keeps one hot prefix from piling onto one backend. Docs: docs/policies.md.
 """
@@ -71,8 +74,10 @@ class ScoredParams(PolicyParams):
     sticky: bool = True
     sticky_min_tokens: int = Field(default=256, ge=1)
     sticky_max_waiting: int = Field(default=4, ge=1)
-    sticky_abs_load: float = Field(default=8.0, ge=0.0)
+    sticky_abs_load: float = Field(default=2.0, ge=0.0)
     sticky_rel_load: float = Field(default=1.5, ge=1.0)
+    sticky_ttft_slack: float = Field(default=1.25, ge=1.0)
+    sticky_max_kv_usage: float = Field(default=0.8, ge=0.0, le=1.0)
 
     @field_validator("scorers")
     @classmethod
@@ -147,8 +152,14 @@ class ScoredPolicy:
         warm = [i for i, b in enumerate(pool) if depths.get(b.backend_id, 0) == best_depth]
         target = max(warm, key=totals.__getitem__)  # ties: snapshot order
         b = pool[target]
-        waiting = b.num_waiting
-        if waiting is not None and not b.scrape_stale and waiting >= p.sticky_max_waiting:
+        if not b.scrape_stale:
+            waiting, usage = b.num_waiting, b.kv_usage
+            if waiting is not None and waiting >= p.sticky_max_waiting:
+                return None
+            if usage is not None and usage >= p.sticky_max_kv_usage:
+                return None
+        ttft = SCORERS["ttft"](ctx)[target]  # best predicted TTFT / the target's
+        if ttft * p.sticky_ttft_slack < 1.0:
             return None
         loads = [
             x - UNKNOWN_LOAD_OFFSET if x >= UNKNOWN_LOAD_OFFSET else x for x in load_ranks(pool)
