@@ -54,6 +54,7 @@ from kiloserve.gateway.chat_messages import (
     request_flag,
     template_kwargs,
 )
+from kiloserve.gateway.exact_tokens import ExactTokenizer
 
 __all__ = ["ChatTemplate", "ExactTokenizer", "load_exact_tokenizer"]
 
@@ -346,19 +347,6 @@ def _iterates_content(it: nodes.Node, message_vars: list[str], params: set[str] 
 
 
 # --- the tokenizer -----------------------------------------------------------------
-
-
-class ExactTokenizer:
-    """A model's ``tokenizer.json`` (``tokenizers``) and chat template (None: the model
-    has none; its chat prompts are then counted approximately)."""
-
-    def __init__(self, tokenizer: Any, template: ChatTemplate | None) -> None:
-        self._tokenizer = tokenizer
-        self.template = template
-
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        """Token ids of ``text``; ``add_special_tokens``: the post-processor's (BOS...)."""
-        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
 
 def _token_text(value: Any) -> str | None:
