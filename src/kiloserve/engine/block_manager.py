@@ -21,15 +21,43 @@ blocks. The sequence itself finds what is left of its segment when it is re-admi
 after a preemption, as it would find its hashes. Free counts, eviction order, hits
 and block ids are exactly those of the per-block path; what is saved is per-block
 Python work (a prompt's blocks move as a few list slices).
+
+KV-cache events: a ``KvEventSink`` in ``kv_sink`` is told of every change to the hash
+index, the facts vLLM publishes with ``--kv-events-config``: each run of blocks newly
+registered by ``register_full_blocks`` (``stored``), the hashes each eviction drops
+(``removed``) and a full reset (``cleared``). Private blocks are never in the index,
+so never reported. With no sink (the simulator's default) the hot paths pay one
+attribute test per call (per evicted block in ``_evict``).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Protocol
 
 from kiloserve.engine.sequence import Sequence
 
-__all__ = ["BlockManager"]
+__all__ = ["BlockManager", "KvEventSink"]
+
+
+class KvEventSink(Protocol):
+    """What ``BlockManager`` tells of its prefix cache (``engine.kvlog.KvEventLog``
+    turns it into vLLM's KV events; the simulator feeds its gateway's index)."""
+
+    def stored(self, seq: Sequence, begin: int, end: int) -> None:
+        """Blocks ``begin .. end - 1`` of ``seq`` were newly registered: their hashes are
+        ``seq.block_hashes[begin:end]``, their parent ``seq.block_hashes[begin - 1]``
+        (None when ``begin`` is 0). Called once per run of new blocks."""
+        ...
+
+    def removed(self, block_hashes: list[int]) -> None:
+        """Cached blocks were evicted: these hashes left the index (never empty)."""
+        ...
+
+    def cleared(self) -> None:
+        """Every cached block was dropped at once (``reset_prefix_cache``)."""
+        ...
+
 
 # Block ids as shared int objects, grown on demand: handing out fresh blocks copies a
 # slice of this list instead of creating an int per block (most ids are above the
@@ -64,6 +92,7 @@ class BlockManager:
         self._last_segment_key = 0
         self.prefix_cache_queries_tokens = 0
         self.prefix_cache_hits_tokens = 0
+        self.kv_sink: KvEventSink | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -196,15 +225,58 @@ class BlockManager:
         num_full_blocks = num_tokens // self.block_size
         if not self.enable_prefix_caching or num_full_blocks <= seq.num_hashed_blocks:
             return
+        end = self._num_shared(seq, num_full_blocks)
+        sink = self.kv_sink
+        if sink is not None:
+            self._register_reporting(seq, end, sink)
+            seq.num_hashed_blocks = num_full_blocks
+            return
         hash_to_block, hashes = self._hash_to_block, self._hashes
         block_table, block_hashes = seq.block_table, seq.block_hashes
-        for index in range(seq.num_hashed_blocks, self._num_shared(seq, num_full_blocks)):
+        for index in range(seq.num_hashed_blocks, end):
             block_hash = block_hashes[index]
             if block_hash not in hash_to_block:
                 block_id = block_table[index]
                 hashes[block_id] = block_hash
                 hash_to_block[block_hash] = block_id
         seq.num_hashed_blocks = num_full_blocks
+
+    def _register_reporting(self, seq: Sequence, end: int, sink: KvEventSink) -> None:
+        """``register_full_blocks``' loop up to block ``end``, telling ``sink`` of each
+        run of newly registered blocks (a block already in the index ends a run)."""
+        hash_to_block, hashes = self._hash_to_block, self._hashes
+        block_table, block_hashes = seq.block_table, seq.block_hashes
+        begin = -1  # first block of the current run of new blocks (-1: none)
+        for index in range(seq.num_hashed_blocks, end):
+            block_hash = block_hashes[index]
+            if block_hash in hash_to_block:
+                if begin >= 0:
+                    sink.stored(seq, begin, index)
+                    begin = -1
+                continue
+            block_id = block_table[index]
+            hashes[block_id] = block_hash
+            hash_to_block[block_hash] = block_id
+            if begin < 0:
+                begin = index
+        if begin >= 0:
+            sink.stored(seq, begin, end)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block, as vLLM's ``reset_prefix_cache``: only while no
+        sequence holds a block (else False, nothing changed). Cached blocks become
+        plain free blocks, taken (in their old order) before never-used ones."""
+        if self.num_free_blocks < self.num_blocks - 1:
+            return False
+        self._free_uncached = self.free_block_order()[::-1]
+        self._free_cached.clear()
+        self._segments.clear()
+        self._num_segment_blocks = 0
+        self._hash_to_block.clear()
+        self._hashes = [None] * len(self._hashes)
+        if self.kv_sink is not None:
+            self.kv_sink.cleared()
+        return True
 
     def deallocate(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks, last block first (so tail blocks are evicted first)."""
@@ -299,6 +371,8 @@ class BlockManager:
         free_cached, segments = self._free_cached, self._segments
         hashes, hash_to_block = self._hashes, self._hash_to_block
         popitem = free_cached.popitem
+        sink = self.kv_sink
+        dropped: list[int] | None = None if sink is None else []
         taken: list[int] = []
         while len(taken) < num_blocks:
             key = popitem(False)[0]
@@ -307,6 +381,8 @@ class BlockManager:
                 if block_hash is not None:
                     del hash_to_block[block_hash]
                     hashes[key] = None
+                    if dropped is not None:
+                        dropped.append(block_hash)
                 taken.append(key)
                 continue
             segment = segments[key]
@@ -321,4 +397,6 @@ class BlockManager:
                 taken += segment
                 del segments[key]
                 self._num_segment_blocks -= len(segment)
+        if sink is not None and dropped:
+            sink.removed(dropped)
         return taken

@@ -31,6 +31,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, help="token budget per step")
     parser.add_argument("--max-model-len", type=int, help="context length (default: model's)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.92)
+    parser.add_argument(
+        "--num-gpu-blocks-override",
+        type=int,
+        metavar="N",
+        help="KV blocks (null block included) instead of the memory ledger's, as vLLM",
+    )
     parser.add_argument("--tokenizer", help="path to a tokenizer.json (default: approximation)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fault RNG")
     parser.add_argument(
@@ -43,6 +49,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="NAME",
         help="a Host name /admin/faults answers besides IPs, localhost and --host (repeatable)",
+    )
+    kv = parser.add_argument_group("KV-cache events (vLLM's ZMQ format; docs/engine-twin.md)")
+    kv.add_argument(
+        "--kv-events-endpoint",
+        metavar="ADDR",
+        help="publish on a ZMQ PUB socket bound here, e.g. tcp://127.0.0.1:5557 (port 0: any)",
+    )
+    kv.add_argument(
+        "--kv-events-replay-endpoint",
+        metavar="ADDR",
+        help="serve replays of missed batches on a ZMQ ROUTER socket bound here",
     )
     faults = parser.add_argument_group("faults (also settable at run time: POST /admin/faults)")
     faults.add_argument("--slowdown", type=float, default=1.0, help="step-time multiplier")
@@ -91,6 +108,9 @@ def config_from_args(args: argparse.Namespace) -> TwinConfig:
         tokenizer_path=args.tokenizer,
         faults=faults,
         seed=args.seed,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_replay_endpoint=args.kv_events_replay_endpoint,
     )
 
 

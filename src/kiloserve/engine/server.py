@@ -8,6 +8,10 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (stream and n
 ``GET /metrics``, ``GET|POST /admin/faults``. Every error is an OpenAI-style JSON body;
 bad input is a 4xx, and anything unexpected a 500 JSON (never a bare traceback).
 
+KV-cache events (``TwinConfig.kv_events_endpoint``): the app's start-up binds the
+twin's ZMQ publisher (``engine.kvpublish``) before the engine loop starts, and its
+clean-up closes it after the loop stops; ``serve_twin`` logs the bound addresses.
+
 ``/admin/faults`` can crash or stall the twin, so a web page must not reach it through
 the operator's browser (``kiloserve.httpguard``): a ``Host`` other than an IP address,
 localhost, the bound host or an allowed name, a cross-origin ``Origin`` and a cross-site
@@ -309,6 +313,9 @@ async def post_faults(request: web.Request) -> web.StreamResponse:
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     twin = app[TWIN_KEY]
+    publisher = twin.kv_publisher
+    if publisher is not None:
+        publisher.start()  # binds: a ConfigError naming the endpoint if it cannot
     twin.loop.start()
     watcher_task = asyncio.get_running_loop().create_task(app[WATCHER_KEY].run())
     yield
@@ -316,6 +323,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     with contextlib.suppress(asyncio.CancelledError):
         await watcher_task
     await twin.loop.stop()
+    if publisher is not None:
+        await publisher.close()
 
 
 def create_app(
@@ -444,6 +453,13 @@ async def serve_twin(
             config.gpu,
             server.url,
         )
+        publisher = twin.kv_publisher
+        if publisher is not None:
+            logger.info(
+                "KV events published on %s, replay on %s",
+                publisher.endpoint,
+                publisher.replay_endpoint or "(none)",
+            )
         if stop is None:
             stop = asyncio.Event()
             for sig in (signal.SIGINT, signal.SIGTERM):

@@ -5,6 +5,7 @@ One asyncio task per twin. While the engine core has work it repeats::
     result = core.step()                                # schedule + model one step
     deadline = step_start + result.duration_s * slowdown   # x thermal clock drop
     sleep until deadline                                # absolute: errors don't add up
+    publish the step's KV events (if enabled)           # one batch, kvpublish
     hand each request its new tokens                    # wakes the HTTP handlers
 
 ``step_start`` is the previous step's deadline, so sleep jitter does not accumulate;
@@ -14,6 +15,12 @@ the HTTP handlers every ``YIELD_EVERY_S`` of CPU, so each handler then writes th
 tokens of several steps in one write. The lag is exported as
 ``kiloserve_twin_loop_lag_seconds`` and logged as a WARNING when it stays high
 (``metrics.LagTracker``).
+
+KV-cache events (``TwinConfig.kv_events_endpoint``): the block manager reports its
+prefix-cache changes to a ``kvlog.KvEventLog``; after each step's sleep, when the
+tokens go out, the loop drains it and publishes the events as one batch
+(``kvpublish.KvEventPublisher``, vLLM's ZMQ format). With no endpoint neither module
+(nor zmq) is imported.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kiloserve.catalog import get_gpu, get_model
 from kiloserve.engine.core import EngineCore, StepTimer
@@ -34,6 +41,11 @@ from kiloserve.engine.metrics import EngineStats, LagTracker, TwinMetrics, read_
 from kiloserve.engine.protocol import TokenizeFn, load_tokenizer
 from kiloserve.engine.sequence import Sequence
 from kiloserve.engine.setup import engine_config_for
+from kiloserve.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kiloserve.engine.kvlog import KvEventLog
+    from kiloserve.engine.kvpublish import KvEventPublisher
 
 __all__ = [
     "DisconnectWatcher",
@@ -168,6 +180,7 @@ class TwinLoop:
         api_overhead_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        kv_events: tuple[KvEventLog, KvEventPublisher] | None = None,
     ) -> None:
         self._core = core
         self._metrics = metrics
@@ -182,6 +195,7 @@ class TwinLoop:
         self._task: asyncio.Task[None] | None = None
         self._lag = LagTracker(metrics)
         self._num_requests = 0
+        self._kv_events = kv_events  # the engine's event log and where its batches go
         self.failure: BaseException | None = None  # set if the loop died
 
     def start(self) -> None:
@@ -288,7 +302,17 @@ class TwinLoop:
                 last_yield_s = self._clock()
             now_s = self._clock()
             self._lag.update(max(0.0, now_s - deadline_s), now_s)
+            if self._kv_events is not None:
+                self._publish_kv_events(self._kv_events)
             self._deliver(result, now_s)
+
+    @staticmethod
+    def _publish_kv_events(kv_events: tuple[KvEventLog, KvEventPublisher]) -> None:
+        """The step's KV-cache events as one batch (none: nothing is sent)."""
+        log, publisher = kv_events
+        events = log.drain()
+        if events:
+            publisher.publish(events)
 
     async def _wait_for_work(self, timeout_s: float | None) -> None:
         self._wake.clear()
@@ -340,6 +364,9 @@ class TwinConfig:
     faults: FaultSet = field(default_factory=FaultSet)
     seed: int = 0
     api_overhead_s: float | None = None  # None: the step-time model's figure, if any
+    num_gpu_blocks_override: int | None = None  # KV blocks (null block included), as vLLM
+    kv_events_endpoint: str | None = None  # ZMQ PUB address the twin binds (None: off)
+    kv_events_replay_endpoint: str | None = None  # ZMQ ROUTER address for replays
 
 
 @dataclass(slots=True, eq=False)
@@ -354,6 +381,7 @@ class Twin:
     metrics: TwinMetrics
     faults: FaultInjector
     created_s: int
+    kv_publisher: KvEventPublisher | None = None  # started and closed by the server
 
 
 def build_twin(config: TwinConfig, timer: StepTimer | None = None) -> Twin:
@@ -371,6 +399,7 @@ def build_twin(config: TwinConfig, timer: StepTimer | None = None) -> Twin:
         max_model_len=config.max_model_len,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
+        num_gpu_blocks_override=config.num_gpu_blocks_override,
     )
     if timer is None:
         from kiloserve.engine.timing import StepTimeModel
@@ -384,6 +413,7 @@ def build_twin(config: TwinConfig, timer: StepTimer | None = None) -> Twin:
     overhead_s = config.api_overhead_s
     if overhead_s is None:
         overhead_s = float(getattr(timer, "per_request_api_overhead_s", 0.0))
+    kv_events = _kv_events_for(config, core)
     loop = TwinLoop(
         core,
         metrics,
@@ -391,8 +421,28 @@ def build_twin(config: TwinConfig, timer: StepTimer | None = None) -> Twin:
         stats_fn=stats_fn,
         block_size=ledger.block_size,
         api_overhead_s=overhead_s,
+        kv_events=kv_events,
     )
     tokenizer = load_tokenizer(config.tokenizer_path)
+    created_s = int(time.time())
+    publisher = kv_events[1] if kv_events is not None else None
     return Twin(
-        config, name, ledger.max_model_len, tokenizer, loop, metrics, faults, int(time.time())
+        config, name, ledger.max_model_len, tokenizer, loop, metrics, faults, created_s, publisher
     )
+
+
+def _kv_events_for(
+    config: TwinConfig, core: EngineCore
+) -> tuple[KvEventLog, KvEventPublisher] | None:
+    """The event log hooked into the block manager and its (unbound) publisher."""
+    if config.kv_events_endpoint is None:
+        if config.kv_events_replay_endpoint is not None:
+            raise ConfigError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+        return None
+    from kiloserve.engine.kvlog import KvEventLog
+    from kiloserve.engine.kvpublish import KvEventPublisher
+
+    log = KvEventLog(core.config.block_size)
+    core.scheduler.block_manager.kv_sink = log
+    publisher = KvEventPublisher(config.kv_events_endpoint, config.kv_events_replay_endpoint)
+    return log, publisher

@@ -43,6 +43,8 @@ GPU_MEDIA = frozenset({None, "GPU", "gpu"})
 
 
 class LocalHasher(Protocol):
+    needs_parent: bool  # False: a block's local hash does not depend on its parent's
+
     def local_hashes(self, event: BlockStored, prev: int) -> list[tuple[int, ...]] | None:
         """Per stored engine block, its local hashes chained from ``prev``; None when
         the event cannot be hashed (block size not a multiple of the index's)."""
@@ -67,6 +69,8 @@ def _salt(extra: tuple[Any, ...] | None, lora_name: str | None) -> str | None:
 
 class TokenHasher:
     """Re-hashes each block from the event's token ids (vLLM, the twin)."""
+
+    needs_parent = True
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
@@ -93,7 +97,11 @@ class TokenHasher:
 
 
 class IdentityHasher:
-    """Engine hashes are local hashes already (one per block, same block size)."""
+    """Engine hashes are local hashes already (one per block, same block size), so a
+    block whose parent this index does not hold is indexed all the same (a lookup walks
+    from the first block and stops where the chain breaks, as the engine's does)."""
+
+    needs_parent = False
 
     def local_hashes(self, event: BlockStored, prev: int) -> list[tuple[int, ...]] | None:
         return [(h,) for h in event.block_hashes if isinstance(h, int)]
@@ -211,10 +219,13 @@ class KvBlockIndex:
             prev = cache_seed(event.lora_name, _salt(first_extra, event.lora_name))
         else:
             parent_subs = blocks.get(parent)
-            if parent_subs is None:
+            if parent_subs is not None:
+                prev = parent_subs[-1]
+            elif self.hasher.needs_parent:
                 counters.orphans += 1
                 return
-            prev = parent_subs[-1]
+            else:
+                prev = 0
         per_block = self.hasher.local_hashes(event, prev)
         if per_block is None:
             counters.mismatched += 1

@@ -12,12 +12,13 @@ and the tests::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -26,10 +27,23 @@ import yaml
 
 from kiloserve.errors import LaunchError
 from kiloserve.launch.config import ClusterConfig, ExpandedBackend
-from kiloserve.launch.engines import METRIC_DIALECTS, engine_launch
+from kiloserve.launch.engines import (
+    METRIC_DIALECTS,
+    KvEventsEndpoints,
+    engine_launch,
+    kv_events_endpoints,
+    num_kv_events_ports,
+)
 from kiloserve.launch.process import ChildProcess
 
-__all__ = ["BackendInfo", "LocalCluster", "describe_backend", "free_port", "gateway_config"]
+__all__ = [
+    "BackendInfo",
+    "LocalCluster",
+    "describe_backend",
+    "free_port",
+    "free_ports",
+    "gateway_config",
+]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +53,15 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def free_ports(host: str, num_ports: int) -> list[int]:
+    """``num_ports`` distinct ports that were free a moment ago (bound all at once)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(num_ports)]
+        for s in socks:
+            s.bind((host, 0))
+        return [int(s.getsockname()[1]) for s in socks]
 
 
 @dataclass(frozen=True)
@@ -57,6 +80,8 @@ class BackendInfo:
     cost_per_hour: float
     weight: float
     engine: str = "twin"
+    kv_events_endpoint: str | None = None  # where the gateway subscribes (connects)
+    kv_events_replay_endpoint: str | None = None
 
 
 def describe_backend(item: ExpandedBackend, url: str) -> BackendInfo:
@@ -81,6 +106,16 @@ def describe_backend(item: ExpandedBackend, url: str) -> BackendInfo:
         version=spec.version,
         cost_per_hour=cost,
         weight=spec.weight,
+    )
+
+
+def _with_kv_events(info: BackendInfo, kv_events: KvEventsEndpoints | None) -> BackendInfo:
+    if kv_events is None:
+        return info
+    return replace(
+        info,
+        kv_events_endpoint=kv_events.endpoint,
+        kv_events_replay_endpoint=kv_events.replay_endpoint,
     )
 
 
@@ -122,12 +157,22 @@ def gateway_config(cfg: ClusterConfig, backends: list[BackendInfo], port: int) -
                 "weight": b.weight,
                 "engine": METRIC_DIALECTS[b.engine],
                 "kv_capacity_tokens": b.kv_capacity_tokens or None,
+                **_kv_events_keys(b),
             }
             for b in backends
         ],
     }
     out.update(gw.options)
     return out
+
+
+def _kv_events_keys(backend: BackendInfo) -> dict[str, str]:
+    """The gateway's ``kv_events_*`` keys for a backend that publishes KV events."""
+    keys = {
+        "kv_events_endpoint": backend.kv_events_endpoint,
+        "kv_events_replay_endpoint": backend.kv_events_replay_endpoint,
+    }
+    return {key: value for key, value in keys.items() if value is not None}
 
 
 class LocalCluster:
@@ -164,15 +209,19 @@ class LocalCluster:
     def start(self) -> None:
         host = self.cfg.host
         items = self.cfg.expanded()
-        ports = [free_port(host) for _ in items]
+        num_kv_ports = sum(num_kv_events_ports(it.spec) for it in items)
+        all_ports = free_ports(host, len(items) + num_kv_ports)  # distinct, all of them
+        ports, kv_ports = all_ports[: len(items)], iter(all_ports[len(items) :])
+        kv_events = [kv_events_endpoints(it, host, self.run_dir, kv_ports) for it in items]
         # Validate every backend (catalog names, memory fit) before starting anything.
         self.backends = [
-            describe_backend(it, f"http://{host}:{p}") for it, p in zip(items, ports, strict=True)
+            _with_kv_events(describe_backend(it, f"http://{host}:{p}"), kv)
+            for it, p, kv in zip(items, ports, kv_events, strict=True)
         ]
         timeouts_s: list[float] = []
         try:
-            for it, port, info in zip(items, ports, self.backends, strict=True):
-                launch = engine_launch(it, host, port, self.run_dir)
+            for it, port, info, kv in zip(items, ports, self.backends, kv_events, strict=True):
+                launch = engine_launch(it, host, port, self.run_dir, kv)
                 timeouts_s.append(max(self.start_timeout_s, launch.min_start_timeout_s))
                 child = ChildProcess(
                     name=info.name,

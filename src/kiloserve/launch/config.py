@@ -23,12 +23,20 @@ Example (see ``examples/cluster.yaml``)::
         python: /opt/vllm/bin/python    # interpreter with the engine installed
         env: {CUDA_VISIBLE_DEVICES: "0"}
         extra_args: [--gpu-memory-utilization, "0.9"]
+        kv_events_endpoint: auto        # KV-cache events (twin and vllm; below)
+
+``kv_events_endpoint`` / ``kv_events_replay_endpoint``: the backend publishes vLLM's
+KV-cache events and the gateway subscribes. ``auto`` picks the addresses per replica
+(twins: a free ``tcp://HOST:PORT`` each; vLLM: ``ipc://`` sockets in the replica's
+scratch folder, since vLLM binds only wildcard and ipc endpoints); an explicit
+``tcp://host:port`` or ``ipc://path`` is for a line with ``count: 1`` (vLLM: ipc only).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import (
@@ -44,6 +52,8 @@ from kiloserve.errors import ConfigError
 from kiloserve.validation import model_at, unknown_keys_message
 
 __all__ = [
+    "AUTO",
+    "KV_EVENTS_KEYS",
     "BackendSpec",
     "ClusterConfig",
     "EngineName",
@@ -56,6 +66,8 @@ __all__ = [
 
 
 EngineName = Literal["twin", "vllm", "sglang", "llama.cpp"]
+AUTO = "auto"  # kv_events_endpoint: the launcher picks an address per replica
+KV_EVENTS_KEYS = ("kv_events_endpoint", "kv_events_replay_endpoint")
 
 
 class _Strict(BaseModel):
@@ -99,6 +111,8 @@ class BackendSpec(_Strict):
     max_model_len: int | None = Field(default=None, ge=16)
     faults: FaultSpec | None = None
     extra_args: list[str] = Field(default_factory=list)
+    kv_events_endpoint: str | None = None  # "auto", tcp://host:port or ipc://path
+    kv_events_replay_endpoint: str | None = None
 
     @model_validator(mode="after")
     def _engine_keys(self) -> BackendSpec:
@@ -114,6 +128,45 @@ class BackendSpec(_Strict):
         if self.engine == "llama.cpp" and not self.model_path:
             raise ValueError("engine llama.cpp needs model_path (a GGUF file)")
         return self
+
+    @model_validator(mode="after")
+    def _kv_events_keys(self) -> BackendSpec:
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
+        for key in KV_EVENTS_KEYS:
+            value = getattr(self, key)
+            if value is None:
+                continue
+            if self.engine not in ("twin", "vllm"):
+                raise ValueError(f"{key}: only twins and vLLM publish KV events")
+            if value != AUTO:
+                _check_explicit_endpoint(key, value, self)
+        return self
+
+
+def _check_explicit_endpoint(key: str, value: str, spec: BackendSpec) -> None:
+    """An explicit KV events address: one replica, an address both sides can use."""
+    if spec.count != 1:
+        raise ValueError(
+            f"{key}: an explicit endpoint serves one replica, this line has count "
+            f"{spec.count}; use '{AUTO}' (a free address per replica)"
+        )
+    if value.startswith("ipc://") and len(value) > len("ipc://"):
+        return
+    if spec.engine == "vllm":
+        raise ValueError(
+            f"{key}: vLLM binds only wildcard and ipc:// endpoints (it connects to "
+            f"tcp://host:port ones); use '{AUTO}' or ipc://PATH, got {value!r}"
+        )
+    parts = urlsplit(value)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme != "tcp" or not parts.hostname or parts.hostname == "*" or not port:
+        raise ValueError(
+            f"{key}: must be '{AUTO}', tcp://host:port (a port, not 0) or ipc://path, got {value!r}"
+        )
 
 
 class GatewaySpec(_Strict):

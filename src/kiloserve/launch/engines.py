@@ -24,6 +24,15 @@ YAML is applied last, so it can override any of these.
 Paths in ``model_path``, ``python`` and ``command`` may use ``~`` and ``$VARS``
 (expanded here, e.g. ``~/.cache/kiloserve/tiny-model``).
 
+KV-cache events (``kv_events_endpoint`` in the YAML): ``kv_events_endpoints`` resolves
+one replica's addresses (``auto``: a free ``tcp://HOST:PORT`` per twin socket; for
+vLLM ``ipc://`` sockets in the replica's scratch folder, ``SCRATCH/kv/events.sock``
+and ``kv/replay.sock``). A twin gets ``--kv-events-endpoint`` and
+``--kv-events-replay-endpoint`` and binds both; vLLM gets ``--kv-events-config
+'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": ...,
+"replay_endpoint": ...}'`` and binds its ipc endpoints. The gateway connects to the
+same addresses (``LocalCluster`` writes them into its config).
+
 Agent hook: ``kiloserve up`` does not start the node agent yet (``kiloserve agent
 --engine-url URL --etcd HOST:PORT --model M --name N --gpu G``: etcd registration
 under a lease, node health). It belongs beside each engine as one more
@@ -37,28 +46,35 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from kiloserve.errors import ConfigError
-from kiloserve.launch.config import BackendSpec, ExpandedBackend
+from kiloserve.launch.config import AUTO, KV_EVENTS_KEYS, BackendSpec, ExpandedBackend
 
 __all__ = [
     "METRIC_DIALECTS",
     "REAL_START_TIMEOUT_S",
     "EngineLaunch",
+    "KvEventsEndpoints",
     "MetricDialect",
     "engine_launch",
     "expand_path",
+    "kv_events_endpoints",
     "llamacpp_launch",
+    "num_kv_events_ports",
+    "scratch_dir",
     "sglang_launch",
     "twin_argv",
+    "vllm_kv_events_config",
     "vllm_launch",
 ]
 
 MetricDialect = Literal["vllm", "sglang", "llamacpp"]
 REAL_START_TIMEOUT_S = 900.0
+MAX_IPC_PATH_BYTES = 107  # sun_path holds 108 bytes, NUL included
 # The gateway's ``engine`` field for each cluster ``engine`` (the twin speaks vLLM's).
 METRIC_DIALECTS: dict[str, MetricDialect] = {
     "twin": "vllm",
@@ -81,8 +97,64 @@ class EngineLaunch:
     min_start_timeout_s: float = 0.0
 
 
-def twin_argv(item: ExpandedBackend, host: str, port: int) -> list[str]:
-    """``kiloserve engine`` for one twin, faults included."""
+@dataclass(frozen=True)
+class KvEventsEndpoints:
+    """One replica's KV-event addresses: the engine binds them, the gateway connects."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+
+
+def num_kv_events_ports(spec: BackendSpec) -> int:
+    """Free ports one replica of ``spec`` needs for its KV events (``auto`` twins)."""
+    if spec.engine != "twin":
+        return 0
+    return sum(getattr(spec, key) == AUTO for key in KV_EVENTS_KEYS)
+
+
+def scratch_dir(item: ExpandedBackend, run_dir: Path) -> Path:
+    """The replica's private scratch folder (TMPDIR, caches, ipc sockets)."""
+    return run_dir / "scratch" / item.name
+
+
+def kv_events_endpoints(
+    item: ExpandedBackend, host: str, run_dir: Path, ports: Iterator[int]
+) -> KvEventsEndpoints | None:
+    """The replica's KV-event addresses (None: not asked for); ``auto`` twin sockets
+    take the next of ``ports`` (``num_kv_events_ports`` of them)."""
+    spec = item.spec
+    if spec.kv_events_endpoint is None:
+        return None
+
+    def resolve(value: str, name: str) -> str:
+        return _auto_endpoint(item, host, run_dir, ports, name) if value == AUTO else value
+
+    replay = spec.kv_events_replay_endpoint
+    return KvEventsEndpoints(
+        resolve(spec.kv_events_endpoint, "events"),
+        None if replay is None else resolve(replay, "replay"),
+    )
+
+
+def _auto_endpoint(
+    item: ExpandedBackend, host: str, run_dir: Path, ports: Iterator[int], name: str
+) -> str:
+    if item.spec.engine == "twin":
+        return f"tcp://{host}:{next(ports)}"
+    path = (scratch_dir(item, run_dir) / "kv").resolve() / f"{name}.sock"
+    if len(str(path).encode()) > MAX_IPC_PATH_BYTES:
+        raise ConfigError(
+            f"backend '{item.name}': kv_events_endpoint auto: the ipc socket path {path} is "
+            f"longer than {MAX_IPC_PATH_BYTES} bytes; use a shorter --run-dir"
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return f"ipc://{path}"
+
+
+def twin_argv(
+    item: ExpandedBackend, host: str, port: int, kv_events: KvEventsEndpoints | None = None
+) -> list[str]:
+    """``kiloserve engine`` for one twin, faults and KV-event sockets included."""
     spec = item.spec
     argv = [sys.executable, "-m", "kiloserve", "engine", "--gpu", spec.gpu, "--model", spec.model]
     argv += ["--tp", str(spec.tp), "--quant", spec.quant, "--host", host, "--port", str(port)]
@@ -108,6 +180,13 @@ def twin_argv(item: ExpandedBackend, host: str, port: int) -> list[str]:
             argv.append("--hang")
         if f.thermal is not None:
             argv += ["--thermal", json.dumps(f.thermal)]
+    if kv_events is not None:
+        argv += _optional_flags(
+            {
+                "--kv-events-endpoint": kv_events.endpoint,
+                "--kv-events-replay-endpoint": kv_events.replay_endpoint,
+            }
+        )
     return argv + list(spec.extra_args)
 
 
@@ -152,7 +231,25 @@ def _scratch_env(scratch: Path) -> dict[str, str]:
     }
 
 
-def vllm_launch(item: ExpandedBackend, host: str, port: int, scratch: Path) -> EngineLaunch:
+def vllm_kv_events_config(kv_events: KvEventsEndpoints) -> str:
+    """vLLM's ``--kv-events-config`` JSON for these (ipc) endpoints."""
+    config: dict[str, object] = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": kv_events.endpoint,
+    }
+    if kv_events.replay_endpoint is not None:
+        config["replay_endpoint"] = kv_events.replay_endpoint
+    return json.dumps(config)
+
+
+def vllm_launch(
+    item: ExpandedBackend,
+    host: str,
+    port: int,
+    scratch: Path,
+    kv_events: KvEventsEndpoints | None = None,
+) -> EngineLaunch:
     """vLLM's OpenAI API server (GPU or CPU build)."""
     spec = item.spec
     argv = [_python(spec), "-m", "vllm.entrypoints.openai.api_server"]
@@ -167,6 +264,8 @@ def vllm_launch(item: ExpandedBackend, host: str, port: int, scratch: Path) -> E
             "--max-model-len": spec.max_model_len,
         }
     )
+    if kv_events is not None:
+        argv += ["--kv-events-config", vllm_kv_events_config(kv_events)]
     env = _scratch_env(scratch) | dict(spec.env)
     return EngineLaunch(argv + list(spec.extra_args), env, "/health", "vllm", REAL_START_TIMEOUT_S)
 
@@ -209,15 +308,22 @@ def llamacpp_launch(item: ExpandedBackend, host: str, port: int, scratch: Path) 
     return EngineLaunch(argv + list(spec.extra_args), env, "/health", "llamacpp", 120.0)
 
 
-def engine_launch(item: ExpandedBackend, host: str, port: int, run_dir: Path) -> EngineLaunch:
-    """The launch recipe for one backend process (scratch dirs under ``run_dir``)."""
+def engine_launch(
+    item: ExpandedBackend,
+    host: str,
+    port: int,
+    run_dir: Path,
+    kv_events: KvEventsEndpoints | None = None,
+) -> EngineLaunch:
+    """The launch recipe for one backend process (scratch dirs under ``run_dir``);
+    ``kv_events``: its resolved KV-event addresses (``kv_events_endpoints``)."""
     spec = item.spec
-    scratch = run_dir / "scratch" / item.name
+    scratch = scratch_dir(item, run_dir)
     if spec.engine == "twin":
         env = dict(spec.env)
-        return EngineLaunch(twin_argv(item, host, port), env, "/health", "vllm")
+        return EngineLaunch(twin_argv(item, host, port, kv_events), env, "/health", "vllm")
     if spec.engine == "vllm":
-        return vllm_launch(item, host, port, scratch)
+        return vllm_launch(item, host, port, scratch, kv_events)
     if spec.engine == "sglang":
         return sglang_launch(item, host, port, scratch)
     return llamacpp_launch(item, host, port, scratch)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from kiloserve.engine.config import EngineConfig
 from kiloserve.engine.core import EngineCore, StepResult, StepTimer
+from kiloserve.sim.kvevents import SimKvEvents, SimKvSink
 from kiloserve.sim.request import SimRequest
 
 __all__ = ["BackendModel", "SimBackend"]
@@ -46,12 +47,15 @@ class SimBackend:
         *,
         fast_forward: bool,
         changed: set[int] | None = None,
+        kv_events: SimKvEvents | None = None,
     ) -> None:
         self.index = index
         self.backend_id = backend_id
         self.model = model
         self.is_fast_forward = fast_forward
-        self.core: EngineCore | None = EngineCore(model.engine_config, model.timer)
+        self.kv_events = kv_events  # set: the engine publishes KV events (sim.kvevents)
+        self.kv_sink: SimKvSink | None = None
+        self.core: EngineCore | None = self._new_core()
         self.slowdown = model.base_slowdown
         self.generation = 0  # bumped whenever a scheduled step end becomes stale
         self.requests: dict[str, SimRequest] = {}  # by seq id
@@ -72,6 +76,13 @@ class SimBackend:
         self._run_start_s = 0.0
         self._num_run_steps = 0  # planned fused steps, not yet committed
         self.last_step_start_s = math.inf  # when the planned run's last step starts
+
+    def _new_core(self) -> EngineCore:
+        core = EngineCore(self.model.engine_config, self.model.timer)
+        if self.kv_events is not None:
+            self.kv_sink = self.kv_events.new_sink(self.backend_id)
+            core.scheduler.block_manager.kv_sink = self.kv_sink
+        return core
 
     def _touch(self) -> None:
         self.state_version += 1
@@ -165,6 +176,9 @@ class SimBackend:
         """Drop the engine; returns the requests it held (the caller fails them)."""
         held = list(self.requests.values())
         self.core = None
+        if self.kv_events is not None:
+            self.kv_events.engine_lost(self.backend_id, self.kv_sink)
+            self.kv_sink = None
         self.requests = {}
         self.awaiting_first_token = {}
         self._reset_work()
@@ -173,7 +187,7 @@ class SimBackend:
     def recover(self) -> None:
         """A fresh engine (empty cache) and the configured slowdown."""
         if self.core is None:
-            self.core = EngineCore(self.model.engine_config, self.model.timer)
+            self.core = self._new_core()
             self._touch()
         self.slowdown = self.model.base_slowdown
 

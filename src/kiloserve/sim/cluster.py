@@ -13,7 +13,7 @@ rules are the gateway's own code.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from kiloserve.catalog import get_gpu, get_model
@@ -26,6 +26,7 @@ from kiloserve.launch.config import BackendSpec, ClusterConfig
 from kiloserve.routing.engine_metrics import EngineMetrics
 from kiloserve.routing.table import BackendRecord, BackendTable
 from kiloserve.sim.backend import BackendModel, SimBackend
+from kiloserve.sim.kvevents import SimKvEvents
 
 __all__ = [
     "GPU_MEMORY_UTILIZATION",
@@ -84,8 +85,15 @@ def describe_backends(cfg: ClusterConfig) -> list[BackendInfo]:
     return [describe_backend(item, f"http://{item.name}.sim") for item in cfg.expanded()]
 
 
-def build_backends(cfg: ClusterConfig, *, fast_forward: bool = True) -> list[SimBackend]:
-    """One ``SimBackend`` per expanded backend, in YAML order."""
+def build_backends(
+    cfg: ClusterConfig,
+    *,
+    fast_forward: bool = True,
+    kv_events: SimKvEvents | None = None,
+    publishers: Collection[str] = (),
+) -> list[SimBackend]:
+    """One ``SimBackend`` per expanded backend, in YAML order; those named in
+    ``publishers`` publish KV events into ``kv_events``."""
     models: dict[str, BackendModel] = {}
     out: list[SimBackend] = []
     changed: set[int] = set()  # one set for the cluster: the scrape round's work list
@@ -93,7 +101,10 @@ def build_backends(cfg: ClusterConfig, *, fast_forward: bool = True) -> list[Sim
         shared = models.get(item.spec.name)
         if shared is None:
             shared = models[item.spec.name] = backend_model(item.spec)
-        backend = SimBackend(index, item.name, shared, fast_forward=fast_forward, changed=changed)
+        events = kv_events if item.name in publishers else None
+        backend = SimBackend(
+            index, item.name, shared, fast_forward=fast_forward, changed=changed, kv_events=events
+        )
         out.append(backend)
     return out
 

@@ -2,7 +2,8 @@
 
 Routing itself is not simulated: decisions, the pool and health filter, the hooks and
 the TTFT/TPOT ``Outcome`` are the gateway's own code (``kiloserve.routing.router``
-over a ``kiloserve.routing.table.BackendTable``). What is simulated here is only what
+over a ``kiloserve.routing.table.BackendTable``, and the engines' KV events through
+the gateway's ``KvEventCache``: ``sim.kvevents``). What is simulated here is only what
 has no HTTP to come from: the request profile (what the bench client's completions
 request profiles to: input tokens, ``max_tokens`` as the predicted output since the
 client sends it, the ``user`` as session key and tenant, prefix hashes over the first
@@ -24,6 +25,7 @@ from kiloserve.routing.router import Router
 from kiloserve.routing.table import BackendRecord, BackendTable
 from kiloserve.sim.backend import SimBackend
 from kiloserve.sim.cluster import scrape_into
+from kiloserve.sim.kvevents import SimKvEvents
 from kiloserve.sim.request import SimRequest
 from kiloserve.sim.sequence import SimSequence
 from kiloserve.workload import RequestSpec
@@ -62,9 +64,13 @@ class SimGateway:
         backends: Sequence[SimBackend],
         *,
         seed: int,
+        kv_events: SimKvEvents | None = None,
     ) -> None:
         self.cfg = cfg
         self.table = BackendTable(cfg)
+        self.kv_events = kv_events  # the engines' KV events, delivered before each decision
+        if kv_events is not None:
+            self.table.kv_cache = kv_events.cache
         self.router = Router(self.table, policy, random.Random(seed))
         self.backends = backends
         self._index_of = {b.backend_id: b.index for b in backends}
@@ -91,6 +97,8 @@ class SimGateway:
     def decide(self, info: RequestInfo, now_s: float) -> tuple[int, ...]:
         """Backend indices to try, best first (at most ``retries + 1``)."""
         table = self.table
+        if self.kv_events is not None:
+            self.kv_events.deliver()
         if self._candidates is None:
             snapshot = table.snapshot(now_s)
             self._candidates = {

@@ -23,6 +23,7 @@ from kiloserve.sim.cluster import (
 )
 from kiloserve.sim.faults import FaultEvent
 from kiloserve.sim.gateway import ModelPicker, SimGateway
+from kiloserve.sim.kvevents import SimKvEvents
 from kiloserve.sim.prompts import PromptIds
 from kiloserve.sim.results import MetricsCollector, TimeSeries
 from kiloserve.sim.simulator import Simulator
@@ -108,6 +109,7 @@ def simulate(
         "versions": versions(),
         "backend_timeseries": timeseries,
         **_sim_keys(run.sim, wall_s),
+        **_cache_and_pools(run),
     }
     return SimResult(summary, run.metrics.routing, run.metrics.records, timeseries)
 
@@ -143,9 +145,14 @@ class _Run:
 
 def _build(cluster: ClusterConfig, workload: Workload, policy: Policy, opts: _Options) -> _Run:
     infos = describe_backends(cluster)
-    backends = build_backends(cluster, fast_forward=opts.fast_forward)
     gateway_cfg = build_gateway_config(cluster, infos, opts.scrape_interval_s)
-    gateway = SimGateway(gateway_cfg, policy, backends, seed=opts.seed)
+    # the engines that publish KV events live (kv_events_endpoint) publish here too
+    publishers = {it.name for it in cluster.expanded() if it.spec.kv_events_endpoint}
+    kv_events = SimKvEvents(gateway_cfg.block_size) if publishers else None
+    backends = build_backends(
+        cluster, fast_forward=opts.fast_forward, kv_events=kv_events, publishers=publishers
+    )
+    gateway = SimGateway(gateway_cfg, policy, backends, seed=opts.seed, kv_events=kv_events)
     ids = [b.backend_id for b in backends]
     metrics = MetricsCollector(ids, opts.slo, keep_records=opts.keep_records)
     series = TimeSeries(len(backends), SAMPLE_INTERVAL_S)
@@ -199,6 +206,44 @@ def _sim_keys(sim: Simulator, wall_s: float) -> dict[str, Any]:
             "num_events": sim.num_events,
             "num_steps": sum(b.num_steps for b in backends),
             "num_fused_steps": sum(b.num_fused_steps for b in backends),
+        },
+    }
+
+
+def _cache_and_pools(run: _Run) -> dict[str, Any]:
+    """The engines' own prefix-cache counters (hit rate in tokens, as vLLM's
+    ``prefix_cache_hits / prefix_cache_queries``), each GPU pool's busy fraction (so an
+    idle pool next to a queueing one shows), and the KV-event feeds' modes at the end."""
+    sim = run.sim
+    queries = hits = 0
+    pools: dict[str, dict[str, float]] = {}
+    for backend, info in zip(sim.backends, run.infos, strict=True):
+        core = backend.core
+        if core is not None:
+            queries += core.prefix_cache_queries_tokens
+            hits += core.prefix_cache_hits_tokens
+        pool = pools.setdefault(info.gpu, {"num_backends": 0, "busy_s": 0.0})
+        pool["num_backends"] += 1
+        pool["busy_s"] += backend.busy_s
+    duration_s = sim.now_s
+    for pool in pools.values():
+        denominator = pool["num_backends"] * duration_s
+        pool["busy_fraction"] = pool["busy_s"] / denominator if denominator > 0 else 0.0
+    events = sim.gateway.kv_events
+    feeds = events.cache.feeds() if events is not None else []
+    return {
+        "prefix_cache": {
+            "queries_tokens": queries,
+            "hits_tokens": hits,
+            "hit_rate": hits / queries if queries else None,
+        },
+        "pools": pools,
+        "kv_events": {
+            "publishers": len(feeds),
+            "exact": sum(1 for f in feeds if f.mode == "exact"),
+            "batches": sum(f.counters.batches for f in feeds),
+            "events": sum(f.counters.events for f in feeds),
+            "index_blocks": events.cache.index.num_blocks if events is not None else 0,
         },
     }
 
