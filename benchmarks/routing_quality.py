@@ -11,21 +11,35 @@ Two experiments, every policy on a fresh cluster with the identical request sequ
    the same cluster without that backend. Target: the default policy's P99 E2E on the
    slow-backend cluster within 1.5x of the cluster without it.
 
+3. ``--experiment fakes`` (live, seconds): four in-process fake OpenAI backends, one
+   4x slower, each with ``--fake-seats`` seats and a ``/metrics`` page whose KV usage
+   reads high without a queue (blocks kept as prefix cache: ``0.6 + 0.002`` per request
+   served, at most 0.99); closed-loop non-streamed clients through the gateway. Target
+   (docs/policies.md): the default policy's throughput and P99 within 10% of
+   ``least_request``. Wall-clock numbers: on a busy machine compare the ratios only.
+
 Prints each figure with its ratio and met / NOT met; reports under ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
+import aiohttp  # noqa: E402
+from aiohttp import web  # noqa: E402
+
 from kiloserve.bench.client import ClientOptions  # noqa: E402
 from kiloserve.bench.compare import compare_policies  # noqa: E402
+from kiloserve.gateway.app import create_gateway_app  # noqa: E402
+from kiloserve.gateway.config import parse_gateway_config  # noqa: E402
 from kiloserve.launch.config import ClusterConfig, load_cluster_config  # noqa: E402
 from kiloserve.workload import OpenLoop, load_workload  # noqa: E402
 
@@ -96,14 +110,131 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+class FakeEngine:
+    """An OpenAI-ish completion server: ``num_seats`` requests at a time, each taking
+    ``delay_s``; ``/metrics`` in vLLM's names with a KV usage that grows as it serves."""
+
+    def __init__(self, delay_s: float, num_seats: int) -> None:
+        self.delay_s, self.seats = delay_s, asyncio.Semaphore(num_seats)
+        self.num_active = self.num_running = self.num_served = 0
+        self.url = ""
+        self.runner: web.AppRunner | None = None
+
+    async def _complete(self, request: web.Request) -> web.Response:
+        await request.read()
+        self.num_active += 1
+        try:
+            async with self.seats:
+                self.num_running += 1
+                await asyncio.sleep(self.delay_s)
+                self.num_running -= 1
+        finally:
+            self.num_active -= 1
+        self.num_served += 1
+        usage = {"prompt_tokens": 8, "completion_tokens": 16, "total_tokens": 24}
+        choice = {"index": 0, "text": "x" * 16, "finish_reason": "length"}
+        return web.json_response({"id": "c", "object": "text_completion",
+                                  "choices": [choice], "usage": usage})  # fmt: skip
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        kv = min(0.99, 0.6 + 0.002 * self.num_served)
+        waiting = self.num_active - self.num_running
+        return web.Response(text=f'vllm:num_requests_running{{model_name="m"}} {self.num_running}\n'
+                                 f'vllm:num_requests_waiting{{model_name="m"}} {waiting}\n'
+                                 f'vllm:kv_cache_usage_perc{{model_name="m"}} {kv}\n')  # fmt: skip
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "m", "object": "model"}]})
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._complete)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/v1/models", self._models)
+        self.runner, self.url = await _serve(app)
+
+
+async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
+    """Serve ``app`` on 127.0.0.1, a free port; returns its runner and base URL."""
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def _closed_loop(url: str, num_clients: int, duration_s: float) -> list[float]:
+    body = {"model": "m", "prompt": "hello", "max_tokens": 16}
+    latencies_s: list[float] = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        end_s = time.monotonic() + duration_s
+
+        async def client() -> None:
+            while (start_s := time.monotonic()) < end_s:
+                async with session.post(url + "/v1/completions", json=body) as resp:
+                    await resp.read()
+                    assert resp.status == 200, resp.status
+                latencies_s.append(time.monotonic() - start_s)
+
+        await asyncio.gather(*(client() for _ in range(num_clients)))
+    return latencies_s
+
+
+async def _fake_run(policy: str, args: argparse.Namespace) -> tuple[float, float]:
+    """(requests/s, P99 E2E s) of ``policy`` on fresh fakes and a fresh gateway."""
+    engines = [FakeEngine(args.fake_delay * (4.0 if i == 0 else 1.0), args.fake_seats)
+               for i in range(4)]  # fmt: skip
+    runners: list[web.AppRunner] = []
+    try:
+        for e in engines:
+            await e.start()
+            assert e.runner is not None
+            runners.append(e.runner)
+        cfg = parse_gateway_config({
+            "port": 0, "scrape_interval_s": 0.1, "policy": {"name": policy},
+            "backends": [{"name": f"b{i}", "url": e.url, "models": ["m"]}
+                         for i, e in enumerate(engines)],
+        })  # fmt: skip
+        runner, url = await _serve(create_gateway_app(cfg))
+        runners.append(runner)
+        await asyncio.sleep(0.5)  # first scrapes
+        latencies_s = sorted(await _closed_loop(url, args.fake_clients, args.fake_duration))
+    finally:
+        for r in reversed(runners):
+            await r.cleanup()
+    return len(latencies_s) / args.fake_duration, latencies_s[int(0.99 * len(latencies_s))]
+
+
+def run_fakes(args: argparse.Namespace) -> None:
+    print(f"\n## One backend 4x slower: 4 fake backends, {args.fake_clients} closed-loop "
+          f"non-streamed clients, {args.fake_duration:.0f} s per policy")  # fmt: skip
+    results = {p: asyncio.run(_fake_run(p, args)) for p in ("least_request", "default")}
+    for policy, (rps, p99_s) in results.items():
+        print(f"{policy:>14}: {rps:7.1f} req/s  P99 E2E {p99_s * 1000:6.0f} ms")
+    (lr_rps, lr_p99), (d_rps, d_p99) = results["least_request"], results["default"]
+    r_rps, r_p99 = d_rps / lr_rps, d_p99 / lr_p99
+    print(f"default / least_request: throughput {r_rps:.2f} (target >= 0.90: "
+          f"{'met' if r_rps >= 0.9 else 'NOT met'}), P99 {r_p99:.2f} "
+          f"(target <= 1.10: {_verdict(r_p99, 1.1)})")  # fmt: skip
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--experiment", choices=("all", "twins", "fakes"), default="all")
     p.add_argument("--num-requests", type=int, default=300)
     p.add_argument("--rate", type=float, default=9.0, help="requests/s")
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--out", type=Path, default=REPO / "runs" / "routing-quality")
     p.add_argument("--no-plots", action="store_true")
-    return run(p.parse_args())
+    p.add_argument("--fake-clients", type=int, default=24)
+    p.add_argument("--fake-seats", type=int, default=8, help="concurrent requests per fake")
+    p.add_argument("--fake-delay", type=float, default=0.1, help="s per request (fast fakes)")
+    p.add_argument("--fake-duration", type=float, default=10.0, help="s per policy")
+    args = p.parse_args()
+    if args.experiment in ("all", "fakes"):
+        run_fakes(args)
+    return run(args) if args.experiment in ("all", "twins") else 0
 
 
 if __name__ == "__main__":

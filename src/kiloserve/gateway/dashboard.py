@@ -80,7 +80,6 @@ _DEMOTION_WHY = {
     "tpot_abs": "TPOT median over the absolute limit",
     "ttft_abs": "TTFT median over the absolute limit",
     "tpot_pool": "TPOT median far above the rest of its pool",
-    "ttft_pool": "TTFT median far above the rest of its pool",
 }
 
 

@@ -14,6 +14,7 @@ from kiloserve.gateway.upstream import UpstreamResponse, header_tokens
 
 __all__ = [
     "BACKEND_HEADER",
+    "CACHED_TOKENS_HEADER",
     "HOP_BY_HOP",
     "REQUEST_ID_HEADER",
     "Pairs",
@@ -23,6 +24,7 @@ __all__ = [
 ]
 
 BACKEND_HEADER = "x-kiloserve-backend"
+CACHED_TOKENS_HEADER = "x-kiloserve-prefix-cached-tokens"
 REQUEST_ID_HEADER = "x-request-id"
 _CLIENT_GONE = 499
 
@@ -45,6 +47,7 @@ _NOT_FORWARDED_WITH_KEYS = _NOT_FORWARDED | {b"authorization"}
 # the gateway's own ids win, and Date / Server are the gateway's (as nginx does).
 _NOT_RELAYED = HOP_BY_HOP | {
     b"content-length", b"content-type", b"x-request-id", b"x-kiloserve-backend",
+    b"x-kiloserve-prefix-cached-tokens",
     b"date", b"server",
 }  # fmt: skip
 # ``Connection`` values that name no other header (the common case: no set to build)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,7 @@ from kiloserve.gateway.config import GatewayConfig
 from kiloserve.gateway.dashboard_state import DashboardRecorder
 from kiloserve.gateway.headers import (
     BACKEND_HEADER,
+    CACHED_TOKENS_HEADER,
     REQUEST_ID_HEADER,
     Pairs,
     client_headers,
@@ -104,6 +106,8 @@ class _Call:
     loop: asyncio.AbstractEventLoop
     body: dict[str, Any] | None = None  # the client's request, kept when it may migrate
     ranked: tuple[str, ...] = ()  # the decision's backends, for continuations
+    cached_blocks: Mapping[str, int] | None = None  # the decision's prefix matches
+    block_size: int = 16
 
 
 @dataclass(slots=True)
@@ -126,6 +130,19 @@ class _Failure:
 
 def _our_headers(call: _Call, backend_id: str) -> dict[str, str]:
     return {REQUEST_ID_HEADER: call.info.request_id, BACKEND_HEADER: backend_id}
+
+
+def _add_cached_tokens(headers: list[tuple[str, str]], call: _Call, backend_id: str) -> None:
+    """``x-kiloserve-prefix-cached-tokens``: the prompt tokens the policy found cached on
+    the backend that answers (the engines' own KV events where exact, else the gateway's
+    approximate index), in whole blocks and at most all but the last prompt token, as
+    vLLM computes at least one token (issue 14; absent for policies that do not look)."""
+    cached = call.cached_blocks
+    if cached is None:
+        return
+    size = call.block_size
+    most = (call.info.input_tokens - 1) // size * size if call.info.input_tokens > 0 else 0
+    headers.append((CACHED_TOKENS_HEADER, str(min(cached.get(backend_id, 0) * size, most))))
 
 
 def _upstream_error(
@@ -248,7 +265,9 @@ def _whole_response(
 ) -> web.Response:
     if resp.status == 200:
         att.output_tokens = _usage_tokens(body)
+        att.last_chunk_at = att.loop.time()  # the end: non-streamed TTFT is estimated from it
     headers = relayed_headers(call.info.request_id, att.backend_id, resp, "application/json")
+    _add_cached_tokens(headers, call, att.backend_id)
     return web.Response(status=resp.status, body=body, headers=headers)
 
 
@@ -355,6 +374,7 @@ async def _relay(
     """Stream the upstream SSE body to the client as it arrives; returns (response,
     status, the cut to continue elsewhere or None)."""
     headers = relayed_headers(call.info.request_id, att.backend_id, resp, "text/event-stream")
+    _add_cached_tokens(headers, call, att.backend_id)
     out = web.StreamResponse(status=resp.status, headers=headers)
     out.headers.setdefault("Cache-Control", "no-cache")
     sent: list[bytes] | None = [] if call.body is not None else None
@@ -537,6 +557,7 @@ async def forward(
         request, path, payload, info, user if isinstance(user, str) else None,
         is_stream, strip_usage, loop.time() + ctx.cfg.request_timeout_s, loop,
     )  # fmt: skip
+    call.cached_blocks, call.block_size = decision.cached_blocks, ctx.cfg.block_size
     mig = ctx.cfg.migration
     if (
         is_stream

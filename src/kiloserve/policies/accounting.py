@@ -8,6 +8,11 @@ request's life, so the state a policy sees is built the same way live and simula
 * ``note_first_token``: its first token arrived (prefill done; TTFT sample);
 * ``note_complete``: it ended, well or not (TPOT sample, error streak).
 
+A non-streamed request has no first token the gateway can see; for a success the
+router estimates its TTFT with ``estimated_ttft_ms`` (E2E minus the decode of the
+tokens after the first at the backend's EWMA TPOT) and notes it as a first token at
+completion, so non-streamed traffic teaches the prefill speed too.
+
 Learned prefill speed: ``ewma_ttft_ms / ewma_prefill_work_tokens`` is the backend's
 observed milliseconds of TTFT per token of prefill work queued at dispatch (a ratio of
 EWMAs over the same requests). It captures GPU speed and engine overheads without
@@ -20,6 +25,7 @@ from kiloserve.policies.base import BackendState, Outcome, RequestInfo
 
 __all__ = [
     "EWMA_ALPHA",
+    "estimated_ttft_ms",
     "ewma",
     "note_complete",
     "note_dispatch",
@@ -58,6 +64,23 @@ def note_complete(
     if outcome.tpot_ms is not None:
         s.ewma_tpot_ms = ewma(s.ewma_tpot_ms, outcome.tpot_ms)
     s.consecutive_errors = 0 if outcome.ok else s.consecutive_errors + 1
+
+
+def estimated_ttft_ms(s: BackendState, e2e_ms: float, output_tokens: int) -> float | None:
+    """TTFT of a non-streamed success, which the gateway does not see.
+
+    ``e2e_ms - (output_tokens - 1) * ewma_tpot_ms``: what is left of the end-to-end
+    time once the tokens after the first are decoded at the backend's usual pace (the
+    EWMA of its streamed requests, decoded in the same batches). ``None`` (no sample)
+    while the TPOT is unknown (nothing streamed has finished there), and when the rest
+    is not positive (this request decoded faster than the average: the split is
+    unknown, and a wrong sample is worse than none).
+    """
+    tpot_ms = s.ewma_tpot_ms
+    if tpot_ms is None or output_tokens < 1:
+        return None
+    ttft_ms = e2e_ms - (output_tokens - 1) * tpot_ms
+    return ttft_ms if ttft_ms > 0.0 else None
 
 
 def prefill_ms_per_token(s: BackendState) -> float | None:

@@ -153,9 +153,11 @@ class Decision(Value):
     """Ranked backend ids, best first: ``ranked[0]`` is the pick, the rest fallbacks.
 
     An empty ``ranked`` means no backend can take the request (the gateway answers 503).
+    ``cached_blocks``: for prefix-aware policies, the leading prompt blocks each backend
+    was found to hold (absent: none); the gateway reports the chosen one's.
     """
 
-    _FIELDS: ClassVar[tuple[str, ...]] = ("ranked", "policy", "reason", "scores")
+    _FIELDS: ClassVar[tuple[str, ...]] = ("ranked", "policy", "reason", "scores", "cached_blocks")
     __slots__ = _FIELDS
 
     def __init__(
@@ -164,11 +166,13 @@ class Decision(Value):
         policy: str,
         reason: str = "",
         scores: Mapping[str, float] | None = None,
+        cached_blocks: Mapping[str, int] | None = None,
     ) -> None:
         self.ranked: Final = ranked
         self.policy: Final = policy
         self.reason: Final = reason
         self.scores: Final = scores
+        self.cached_blocks: Final = cached_blocks
 
     def __hash__(self) -> int:  # scores may be a dict: hash the ranking alone
         return hash((self.ranked, self.policy, self.reason))

@@ -97,11 +97,13 @@ class PrefixAffinityPolicy:
         depths = cached_depths(self.index, snapshot, hashes)
         index, depth = _best_match(pool, ranks, depths)
         if depth == 0 or depth < p.min_match_fraction * len(hashes):
-            return self._least_load(pool, order, "no prefix match")
-        if is_imbalanced(ranks, p.balance_abs_threshold, p.balance_rel_threshold):
-            return self._least_load(pool, order, "imbalanced")
-        ranked = ids(pool, [index, *[i for i in order if i != index]])
-        return Decision(ranked=ranked, policy=self.name, reason="prefix")
+            decision = self._least_load(pool, order, "no prefix match")
+        elif is_imbalanced(ranks, p.balance_abs_threshold, p.balance_rel_threshold):
+            decision = self._least_load(pool, order, "imbalanced")
+        else:
+            ranked = ids(pool, [index, *[i for i in order if i != index]])
+            decision = Decision(ranked=ranked, policy=self.name, reason="prefix")
+        return decision.replaced(cached_blocks=depths)
 
     def on_dispatch(self, request: RequestInfo, backend_id: str) -> None:
         hashes = request.prefix_hashes[: self.params.max_num_blocks_per_request]

@@ -118,10 +118,14 @@ class ScoredPolicy:
         if sticky is not None:
             first = pool[sticky].backend_id
             ranked = (first, *[bid for bid in by_total if bid != first])
-            return Decision(ranked=ranked, policy=self.name, reason="prefix", scores=scores)
-        if self.params.picker == "max":
-            return self._max(pool, totals, by_total, rng, scores)
-        return self._weighted_random(pool, totals, by_total, rng, scores)
+            decision = Decision(ranked, self.name, "prefix", scores)
+        elif self.params.picker == "max":
+            decision = self._max(pool, totals, by_total, rng, scores)
+        else:
+            decision = self._weighted_random(pool, totals, by_total, rng, scores)
+        if ctx.num_prefix_blocks:
+            return decision.replaced(cached_blocks=ctx.prefix_depths)
+        return decision
 
     def _max(
         self,

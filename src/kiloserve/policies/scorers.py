@@ -21,9 +21,10 @@ lowers them; unknown scraped state scores 0 (saturated), never 1.
   unknown takes the pool median) times the prefill work it would have (outstanding
   prefill tokens plus this request's tokens not already cached there, from the prefix
   index), divided by capacity weight. Long prompts go to fast, idle prefills. A
-  backend at or past ``SATURATED_SHARE`` (0.9) of ``max_num_seqs`` or of its KV cache
-  (unknown counts as saturated) gets no prefix credit and its work is divided by
-  ``1 - saturation`` (it will queue or preempt).
+  backend at or past ``SATURATED_SHARE`` (0.9) of ``max_num_seqs``, or of its KV cache
+  while it is queueing (see ``_saturations``; unknown counts as saturated), gets no
+  prefix credit and its work is divided by ``1 - saturation`` (it will queue or
+  preempt).
 """
 
 from __future__ import annotations
@@ -131,20 +132,31 @@ MIN_FOREIGN_WAITING = 3  # fewer can be scrape lag (requests finished since the 
 
 def _saturations(pool: list[BackendState]) -> list[float]:
     """Per backend, the larger of queue share (of ``max_num_seqs``, requests counted as
-    ``signals.num_requests``) and KV usage; unknown is 1. One pass (hot path)."""
+    ``signals.num_requests``) and KV usage; unknown is 1. One pass (hot path).
+
+    KV usage counts only while the engine queues (``num_waiting`` > 0, or not reported).
+    A high reading alone is no saturation: an engine that counts blocks kept as prefix
+    cache reads 0.9-1.0 while healthy, and the one that served most (often the fastest)
+    reads highest, so ``1 / (1 - usage)`` sent work to the slowest backend. No usage
+    threshold tells a cache full of reusable prefixes from one full of live requests;
+    a queue does: an engine that cannot fit a new request makes it wait, and the next
+    scrape shows ``num_waiting``.
+    """
     out: list[float] = []
     for b in pool:
-        usage = b.kv_usage
+        usage, waiting = b.kv_usage, b.num_waiting
         if b.scrape_stale or usage is None:
             out.append(1.0)
             continue
+        if waiting is not None and waiting <= 0:
+            usage = 0.0  # not queueing: its KV usage is no saturation
         max_num_seqs = b.max_num_seqs
         if not max_num_seqs:
             share = 0.0
-        elif b.num_running is None or b.num_waiting is None:
+        elif b.num_running is None or waiting is None:
             share = b.in_flight / max_num_seqs
         else:
-            share = max(b.in_flight, b.num_running + b.num_waiting) / max_num_seqs
+            share = max(b.in_flight, b.num_running + waiting) / max_num_seqs
         out.append(usage if usage > share else share)  # max(share, usage)
     return out
 

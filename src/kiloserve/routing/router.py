@@ -11,7 +11,11 @@
   the policy's hooks, then the listeners (health, dashboard, usage), in that order, so
   every consumer of a completion hears of it from one place.
 * ``complete`` turns what was measured of one attempt (start, first token, last
-  token, number of output tokens) into the ``Outcome`` every consumer reads.
+  token, number of output tokens) into the ``Outcome`` every consumer reads. A
+  non-streamed success has no first token; its TTFT is estimated
+  (``accounting.estimated_ttft_ms``, from ``last_token_s``: when the response ended)
+  and noted in the table before the completion, so the learned prefill speed covers
+  non-streamed traffic. The ``Outcome`` and the listeners keep what was measured.
 
 Times are plain floats in seconds from the caller's clock (the event loop's in the
 gateway, simulated time in the simulator); the router reads no clock of its own.
@@ -22,6 +26,8 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
+from kiloserve.errors import NotFoundError
+from kiloserve.policies.accounting import estimated_ttft_ms
 from kiloserve.policies.base import BackendState, Decision, Outcome, Policy, RequestInfo
 from kiloserve.routing.table import BackendTable
 
@@ -111,7 +117,7 @@ class Router:
         if kept and self.decision_listeners:
             for listener in self.decision_listeners:
                 listener(info, decision, kept)
-        return Decision(kept, decision.policy, decision.reason, decision.scores)
+        return decision.replaced(ranked=kept)
 
     def dispatch(self, backend_id: str, info: RequestInfo) -> None:
         """An attempt is sent to ``backend_id``."""
@@ -139,8 +145,25 @@ class Router:
         """The attempt ended (``status`` 499: the client left); tell everyone once."""
         outcome = outcome_of(ok, status, started_s, first_token_s, last_token_s, output_tokens)
         had_first = first_token_s is not None
+        if not had_first and ok:
+            e2e_ms = (last_token_s - started_s) * 1000.0
+            had_first = self._learn_ttft(backend_id, info, e2e_ms, output_tokens)
         self.table.on_complete(backend_id, info, outcome, had_first_token=had_first)
         self.policy.on_complete(info, backend_id, outcome)
         for listener in self.completion_listeners:
             listener(backend_id, info, outcome)
         return outcome
+
+    def _learn_ttft(
+        self, backend_id: str, info: RequestInfo, e2e_ms: float, output_tokens: int
+    ) -> bool:
+        """Note the estimated TTFT of a non-streamed success; True when there was one."""
+        try:
+            state = self.table.state(backend_id)
+        except NotFoundError:  # removed from the table meanwhile (registry)
+            return False
+        ttft_ms = estimated_ttft_ms(state, e2e_ms, output_tokens)
+        if ttft_ms is None:
+            return False
+        self.table.on_first_token(backend_id, info, ttft_ms)
+        return True

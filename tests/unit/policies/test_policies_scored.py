@@ -233,7 +233,9 @@ def test_ttft_scorer_gives_prefix_credit_only_below_saturation() -> None:
     s = ClusterSnapshot(0.0, (other, holder))
     # 400 queued + 1 new token beats 800 new tokens.
     assert policy.choose(r, s, random.Random(0)).ranked[0] == "holder"
-    holder.kv_usage = 0.95  # saturated: no credit, and work / (1 - 0.95)
+    holder.kv_usage = 0.95  # high usage alone is no saturation (test_saturation_rule.py)
+    assert policy.choose(r, s, random.Random(0)).ranked[0] == "holder"
+    holder.num_waiting = 1  # queueing too: saturated, no credit, and work / (1 - 0.95)
     assert policy.choose(r, s, random.Random(0)).ranked[0] == "other"
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +45,7 @@ class Admission:
     need_tokens: int
     waited_s: float = 0.0
     is_dispatched: bool = False
+    cached_blocks: Mapping[str, int] | None = None  # the decision's (Decision.cached_blocks)
 
 
 class AdmissionMetrics(Collector):
@@ -131,7 +132,8 @@ class AdmissionController:
         roomy = self._roomy(info.model, need_tokens, is_short)
         if not roomy:
             return None
-        ranked = self.router.decide(info, time.monotonic()).ranked  # routable, in the pool
+        decision = self.router.decide(info, time.monotonic())
+        ranked = decision.ranked  # routable, in the pool
         ordered = [b for b in ranked if b in roomy]
         if not ordered:
             ordered = sorted(roomy)  # the policy ranked none of them (e.g. it filters)
@@ -140,7 +142,9 @@ class AdmissionController:
         self.reserved_tokens[bid] = self.reserved_tokens.get(bid, 0) + need_tokens
         self.num_in_flight[bid] = self.num_in_flight.get(bid, 0) + 1
         self.undispatched_tokens[bid] = self.undispatched_tokens.get(bid, 0) + need_tokens
-        return Admission(tuple(ordered + rest), bid, need_tokens)
+        return Admission(
+            tuple(ordered + rest), bid, need_tokens, cached_blocks=decision.cached_blocks
+        )
 
     def dispatched(self, adm: Admission) -> None:
         """The proxy is sending it now: the backend's own counters take over."""

@@ -179,7 +179,8 @@ class FlowControl:
             raise
         try:
             self.admission.dispatched(adm)  # forward counts it on the backend before any await
-            return await dispatch(Decision(adm.ranked, self.ctx.router.policy_name))
+            policy = self.ctx.router.policy_name
+            return await dispatch(Decision(adm.ranked, policy, cached_blocks=adm.cached_blocks))
         finally:
             self.admission.done(adm)
 

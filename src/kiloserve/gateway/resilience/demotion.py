@@ -4,18 +4,28 @@ Each backend keeps a rolling window of its recent TTFT and TPOT samples (at most
 ``max_num_samples``, none older than ``window_s``). ``evaluate`` compares the window's
 median with
 
-* an absolute threshold: ``max_tpot_ms`` (default 300 ms) and ``max_ttft_ms`` (off by
+* absolute thresholds: ``max_tpot_ms`` (default 300 ms) and ``max_ttft_ms`` (off by
   default), and
-* ``pool_factor`` x the median of the *other* backends of its pool (medians of their
-  windows; the others, so that one slow node in a pool of two still stands out).
+* for TPOT only, the median of the *other* backends of its pool (medians of their
+  windows; the others, so that one slow node in a pool of two still stands out): slow
+  means above ``pool_factor`` (2.5) x that median **and** at least
+  ``min_excess_tpot_ms`` (10 ms) above it. The margin is the floor: identical backends
+  whose TPOTs are all near zero (a fake engine, a cached reply) differ by large ratios
+  of nothing, and a zero median would make any sample "slow".
+
+TTFT is not compared with the pool. A gateway-side TTFT is queueing plus prefill, and
+the queue is what routing put there: on identical hardware the backend that got a burst
+shows a TTFT several times its peers' and would be demoted for being popular. A slow
+GPU slows every decode step, so TPOT shows it whatever the queue (batch size moves TPOT
+far less than 2.5x). ``max_ttft_ms`` stays for an operator who wants a TTFT bound.
 
 A slow backend is demoted to ``demoted_weight`` (default 0.2) of its weight instead of
-being ejected, with a reason (``tpot_abs``, ``ttft_abs``, ``tpot_pool``, ``ttft_pool``);
-at most ``max_demoted_percent`` of a pool is demoted at once (at least one may be).
-When it is clearly back under every threshold (``recover_ratio`` x each, hysteresis
-against flapping; or its window has too few recent samples to tell) it ramps back
-linearly to full weight over ``slow_start_s`` (slow start); a relapse during the ramp
-demotes it again.
+being ejected, with a reason (``tpot_abs``, ``ttft_abs``, ``tpot_pool``); at most
+``max_demoted_percent`` of a pool is demoted at once (at least one may be). When it is
+clearly back under every threshold (``recover_ratio`` x each, hysteresis against
+flapping; or its window has too few recent samples to tell) it ramps back linearly to
+full weight over ``slow_start_s`` (slow start); a relapse during the ramp demotes it
+again.
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ class DemotionConfig(BaseModel):
     max_tpot_ms: float | None = Field(default=300.0, gt=0.0)
     max_ttft_ms: float | None = Field(default=None, gt=0.0)
     pool_factor: float | None = Field(default=2.5, gt=1.0)
+    min_excess_tpot_ms: float = Field(default=10.0, ge=0.0)
     demoted_weight: float = Field(default=0.2, gt=0.0, le=1.0)
     window_s: float = Field(default=30.0, gt=0.0)
     max_num_samples: int = Field(default=16, ge=1)
@@ -127,19 +138,26 @@ class SlowNodeDemoter:
     ) -> DemotionEvent | None:
         """Why the backend is slow (thresholds x ``scale``), or None."""
         node, cfg = self._nodes[backend_id], self.cfg
-        members = list(pool)
-        for kind, limit_ms in (("tpot_ms", cfg.max_tpot_ms), ("ttft_ms", cfg.max_ttft_ms)):
-            mine = self._median(getattr(node, kind))
-            if mine is None:
-                continue
-            name = kind.removesuffix("_ms")
-            if limit_ms is not None and mine > limit_ms * scale:
-                return DemotionEvent(backend_id, f"{name}_abs", mine, limit_ms * scale)
-            others = self._others(kind, backend_id, members) if cfg.pool_factor else None
-            if others is not None and cfg.pool_factor and mine > cfg.pool_factor * others * scale:
-                bound = cfg.pool_factor * others * scale
-                return DemotionEvent(backend_id, f"{name}_pool", mine, bound)
+        tpot = self._median(node.tpot_ms)
+        if tpot is not None:
+            if cfg.max_tpot_ms is not None and tpot > cfg.max_tpot_ms * scale:
+                return DemotionEvent(backend_id, "tpot_abs", tpot, cfg.max_tpot_ms * scale)
+            bound = self._pool_bound_ms(backend_id, pool)
+            if bound is not None and tpot > bound * scale:
+                return DemotionEvent(backend_id, "tpot_pool", tpot, bound * scale)
+        ttft = self._median(node.ttft_ms)
+        if ttft is not None and cfg.max_ttft_ms is not None and ttft > cfg.max_ttft_ms * scale:
+            return DemotionEvent(backend_id, "ttft_abs", ttft, cfg.max_ttft_ms * scale)
         return None
+
+    def _pool_bound_ms(self, backend_id: str, pool: Iterable[str]) -> float | None:
+        """TPOT above which the backend is slow for its pool: ``pool_factor`` x the others'
+        median and at least ``min_excess_tpot_ms`` over it; None without a yardstick."""
+        factor = self.cfg.pool_factor
+        others = self._others("tpot_ms", backend_id, pool) if factor else None
+        if factor is None or others is None:
+            return None
+        return max(factor * others, others + self.cfg.min_excess_tpot_ms)
 
     def _may_demote(self, backend_id: str, pool: Iterable[str]) -> bool:
         ids = set(pool) | {backend_id}
