@@ -486,7 +486,7 @@ def create_gateway_app(cfg: GatewayConfig, *, policy: Policy | None = None) -> w
     table = BackendTable(cfg)
     gw_metrics = GatewayMetrics(table, config_hash=config_hash(cfg))
     chosen = policy if policy is not None else create_policy_for(cfg)
-    router = Router(table, chosen, random.Random(cfg.seed))
+    router = Router(table, chosen, random.Random(cfg.seed), block_size=cfg.block_size)
     router.decision_listeners.append(
         lambda _info, decision, ranked: gw_metrics.decision(decision.policy, ranked[0])
     )

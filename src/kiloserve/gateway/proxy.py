@@ -107,7 +107,6 @@ class _Call:
     body: dict[str, Any] | None = None  # the client's request, kept when it may migrate
     ranked: tuple[str, ...] = ()  # the decision's backends, for continuations
     cached_blocks: Mapping[str, int] | None = None  # the decision's prefix matches
-    block_size: int = 16
 
 
 @dataclass(slots=True)
@@ -132,17 +131,13 @@ def _our_headers(call: _Call, backend_id: str) -> dict[str, str]:
     return {REQUEST_ID_HEADER: call.info.request_id, BACKEND_HEADER: backend_id}
 
 
-def _add_cached_tokens(headers: list[tuple[str, str]], call: _Call, backend_id: str) -> None:
+def _add_cached_tokens(headers: list[tuple[str, str]], att: _Attempt) -> None:
     """``x-kiloserve-prefix-cached-tokens``: the prompt tokens the policy found cached on
-    the backend that answers (the engines' own KV events where exact, else the gateway's
-    approximate index), in whole blocks and at most all but the last prompt token, as
-    vLLM computes at least one token (issue 14; absent for policies that do not look)."""
-    cached = call.cached_blocks
-    if cached is None:
-        return
-    size = call.block_size
-    most = (call.info.input_tokens - 1) // size * size if call.info.input_tokens > 0 else 0
-    headers.append((CACHED_TOKENS_HEADER, str(min(cached.get(backend_id, 0) * size, most))))
+    the backend that answers (the engines' own KV events where exact, else the
+    gateway's approximate index; ``Router.cached_tokens``). Absent for policies that do
+    not look (issue 14)."""
+    if att.call.cached_blocks is not None:
+        headers.append((CACHED_TOKENS_HEADER, str(att.info.cached_tokens)))
 
 
 def _upstream_error(
@@ -170,14 +165,16 @@ class _Attempt:
     """One try of one request on one backend, with its accounting."""
 
     __slots__ = (
-        "backend_id", "call", "ctx", "first_token_at", "is_finished", "last_chunk_at",
-        "loop", "output_tokens", "started",
+        "backend_id", "call", "ctx", "first_token_at", "info", "is_finished",
+        "last_chunk_at", "loop", "output_tokens", "started",
     )  # fmt: skip
 
     def __init__(self, ctx: ProxyContext, call: _Call, backend_id: str) -> None:
         self.ctx = ctx
         self.call = call
         self.backend_id = backend_id
+        # the profile, with the prompt tokens expected cached on this backend (accounting)
+        self.info = ctx.router.attempt_info(call.info, call.cached_blocks, backend_id)
         self.loop = call.loop
         self.started = self.loop.time()
         self.first_token_at: float | None = None
@@ -186,12 +183,12 @@ class _Attempt:
         self.is_finished = False
 
     def dispatch(self) -> None:
-        self.ctx.router.dispatch(self.backend_id, self.call.info)
+        self.ctx.router.dispatch(self.backend_id, self.info)
 
     def mark_first_token(self, now: float) -> None:
         self.first_token_at = now
         ttft_s = now - self.started
-        self.ctx.router.first_token(self.backend_id, self.call.info, ttft_s * 1000.0)
+        self.ctx.router.first_token(self.backend_id, self.info, ttft_s * 1000.0)
         self.ctx.metrics.observe_ttft(self.backend_id, ttft_s)
 
     def finish(self, ok: bool, status: int) -> None:
@@ -199,7 +196,7 @@ class _Attempt:
         if self.is_finished:
             return
         self.is_finished = True
-        ctx, info, bid = self.ctx, self.call.info, self.backend_id
+        ctx, info, bid = self.ctx, self.info, self.backend_id
         now = self.loop.time()
         ctx.router.complete(
             bid, info, ok=ok, status=status, started_s=self.started,
@@ -267,7 +264,7 @@ def _whole_response(
         att.output_tokens = _usage_tokens(body)
         att.last_chunk_at = att.loop.time()  # the end: non-streamed TTFT is estimated from it
     headers = relayed_headers(call.info.request_id, att.backend_id, resp, "application/json")
-    _add_cached_tokens(headers, call, att.backend_id)
+    _add_cached_tokens(headers, att)
     return web.Response(status=resp.status, body=body, headers=headers)
 
 
@@ -374,7 +371,7 @@ async def _relay(
     """Stream the upstream SSE body to the client as it arrives; returns (response,
     status, the cut to continue elsewhere or None)."""
     headers = relayed_headers(call.info.request_id, att.backend_id, resp, "text/event-stream")
-    _add_cached_tokens(headers, call, att.backend_id)
+    _add_cached_tokens(headers, att)
     out = web.StreamResponse(status=resp.status, headers=headers)
     out.headers.setdefault("Cache-Control", "no-cache")
     sent: list[bytes] | None = [] if call.body is not None else None
@@ -557,7 +554,7 @@ async def forward(
         request, path, payload, info, user if isinstance(user, str) else None,
         is_stream, strip_usage, loop.time() + ctx.cfg.request_timeout_s, loop,
     )  # fmt: skip
-    call.cached_blocks, call.block_size = decision.cached_blocks, ctx.cfg.block_size
+    call.cached_blocks = decision.cached_blocks
     mig = ctx.cfg.migration
     if (
         is_stream

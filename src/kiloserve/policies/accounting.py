@@ -41,16 +41,23 @@ def ewma(old: float | None, sample: float, alpha: float = EWMA_ALPHA) -> float:
     return sample if old is None else old + alpha * (sample - old)
 
 
+def prefill_tokens(info: RequestInfo) -> int:
+    """The prompt tokens the backend must compute: those not expected cached there
+    (``RequestInfo.cached_tokens``, from the engines' KV events or the prefix index)."""
+    return max(0, info.input_tokens - info.cached_tokens)
+
+
 def note_dispatch(s: BackendState, info: RequestInfo) -> None:
     s.in_flight += 1
-    work = s.outstanding_prefill_tokens + info.input_tokens
+    new_tokens = prefill_tokens(info)
+    work = s.outstanding_prefill_tokens + new_tokens
     s.ewma_prefill_work_tokens = ewma(s.ewma_prefill_work_tokens, float(work))
-    s.outstanding_prefill_tokens += info.input_tokens
+    s.outstanding_prefill_tokens += new_tokens
     s.outstanding_decode_tokens += info.predicted_output_tokens
 
 
 def note_first_token(s: BackendState, info: RequestInfo, ttft_ms: float) -> None:
-    s.outstanding_prefill_tokens = max(0, s.outstanding_prefill_tokens - info.input_tokens)
+    s.outstanding_prefill_tokens = max(0, s.outstanding_prefill_tokens - prefill_tokens(info))
     s.ewma_ttft_ms = ewma(s.ewma_ttft_ms, ttft_ms)
 
 
@@ -59,7 +66,7 @@ def note_complete(
 ) -> None:
     s.in_flight = max(0, s.in_flight - 1)
     if not had_first_token:
-        s.outstanding_prefill_tokens = max(0, s.outstanding_prefill_tokens - info.input_tokens)
+        s.outstanding_prefill_tokens = max(0, s.outstanding_prefill_tokens - prefill_tokens(info))
     s.outstanding_decode_tokens = max(0, s.outstanding_decode_tokens - info.predicted_output_tokens)
     if outcome.tpot_ms is not None:
         s.ewma_tpot_ms = ewma(s.ewma_tpot_ms, outcome.tpot_ms)

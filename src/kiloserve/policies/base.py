@@ -45,6 +45,7 @@ class RequestInfo(Value):
         "prefix_hashes",
         "priority",
         "tenant",
+        "cached_tokens",
     )
     __slots__ = _FIELDS
 
@@ -59,6 +60,7 @@ class RequestInfo(Value):
         prefix_hashes: tuple[int, ...] = (),
         priority: int = 0,
         tenant: str | None = None,
+        cached_tokens: int = 0,
     ) -> None:
         self.request_id: Final = request_id
         self.model: Final = model
@@ -69,6 +71,9 @@ class RequestInfo(Value):
         self.prefix_hashes: Final = prefix_hashes
         self.priority: Final = priority
         self.tenant: Final = tenant
+        # prompt tokens expected cached on the backend of one attempt (the decision's
+        # ``cached_blocks``): set per attempt by the caller; 0 while deciding
+        self.cached_tokens: Final = cached_tokens
 
     def with_admission(self, priority: int, tenant: str | None) -> RequestInfo:
         """A copy with the admission layer's priority and tenant."""

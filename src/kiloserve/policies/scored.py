@@ -162,9 +162,12 @@ class ScoredPolicy:
                 return None
             if usage is not None and usage >= p.sticky_max_kv_usage:
                 return None
-        ttft = SCORERS["ttft"](ctx)[target]  # best predicted TTFT / the target's
-        if ttft * p.sticky_ttft_slack < 1.0:
-            return None
+        # best predicted TTFT / the target's (the scorer reads an unknown scrape as
+        # saturated, so without metrics only the in-flight load below guards)
+        if not b.scrape_stale and b.kv_usage is not None:
+            ttft = SCORERS["ttft"](ctx)[target]
+            if ttft * p.sticky_ttft_slack < 1.0:
+                return None
         loads = [
             x - UNKNOWN_LOAD_OFFSET if x >= UNKNOWN_LOAD_OFFSET else x for x in load_ranks(pool)
         ]

@@ -24,7 +24,7 @@ gateway, simulated time in the simulator); the router reads no clock of its own.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from kiloserve.errors import NotFoundError
 from kiloserve.policies.accounting import estimated_ttft_ms
@@ -74,8 +74,10 @@ class Router:
         rng: random.Random,
         *,
         admit: AdmitHook | None = None,
+        block_size: int = 16,
     ) -> None:
         self.table = table
+        self.block_size = block_size  # the gateway's prefix block (cached-token counts)
         self.policy = policy
         self.rng = rng
         self.admit = admit
@@ -118,6 +120,28 @@ class Router:
             for listener in self.decision_listeners:
                 listener(info, decision, kept)
         return decision.replaced(ranked=kept)
+
+    def cached_tokens(
+        self, info: RequestInfo, cached_blocks: Mapping[str, int] | None, backend_id: str
+    ) -> int | None:
+        """The prompt tokens a decision's ``cached_blocks`` expect cached on
+        ``backend_id``: whole blocks, at most all but the last prompt token (vLLM always
+        computes one); None when the policy did not look."""
+        if cached_blocks is None:
+            return None
+        size, num_tokens = self.block_size, info.input_tokens
+        most = (num_tokens - 1) // size * size if num_tokens > 0 else 0
+        return min(cached_blocks.get(backend_id, 0) * size, most)
+
+    def attempt_info(
+        self, info: RequestInfo, cached_blocks: Mapping[str, int] | None, backend_id: str
+    ) -> RequestInfo:
+        """``info`` for one attempt on ``backend_id``: with the tokens expected cached
+        there (``RequestInfo.cached_tokens``), so the outstanding prefill work counts
+        only what the engine must compute. Pass it to ``dispatch``, ``first_token`` and
+        ``complete`` of that attempt."""
+        cached = self.cached_tokens(info, cached_blocks, backend_id) or 0
+        return info if cached == info.cached_tokens else info.replaced(cached_tokens=cached)
 
     def dispatch(self, backend_id: str, info: RequestInfo) -> None:
         """An attempt is sent to ``backend_id``."""

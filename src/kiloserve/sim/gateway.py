@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from kiloserve.errors import ConfigError
 from kiloserve.gateway.config import GatewayConfig
@@ -71,7 +71,7 @@ class SimGateway:
         self.kv_events = kv_events  # the engines' KV events, delivered before each decision
         if kv_events is not None:
             self.table.kv_cache = kv_events.cache
-        self.router = Router(self.table, policy, random.Random(seed))
+        self.router = Router(self.table, policy, random.Random(seed), block_size=cfg.block_size)
         self.backends = backends
         self._index_of = {b.backend_id: b.index for b in backends}
         self._records = [self.table.record(b.backend_id) for b in backends]
@@ -80,6 +80,9 @@ class SimGateway:
         # only way health changes here: no admin drains, demotion or probes are modelled)
         self._candidates: dict[str, tuple[BackendState, ...]] | None = None
         self.num_dead = 0  # backends whose engine is down (kept by the simulator's faults)
+        # the last decision's prefix matches (``route`` keeps them on the request, for
+        # the per-attempt accounting of the tokens expected cached, as the proxy does)
+        self.last_cached_blocks: Mapping[str, int] | None = None
 
     def profile(self, spec: RequestSpec, model: str, seq: SimSequence) -> RequestInfo:
         """The profile the gateway builds for the bench client's request for ``spec``."""
@@ -108,14 +111,21 @@ class SimGateway:
         decision = self.router.decide(
             info, now_s, eligible_by_model=self._candidates, limit=self.cfg.retries + 1
         )  # the proxy tries at most retries + 1 backends
+        self.last_cached_blocks = decision.cached_blocks
         index_of = self._index_of
         return tuple([index_of[backend_id] for backend_id in decision.ranked])
+
+    def route(self, request: SimRequest, now_s: float) -> None:
+        """``decide`` for ``request``: its ranked backends and the decision's matches."""
+        request.ranked = self.decide(request.info, now_s)
+        request.cached_blocks = self.last_cached_blocks
 
     def dispatch(self, request: SimRequest, now_s: float) -> str:
         backend_id = self.backends[request.backend_index].backend_id
         request.attempt_start_s = now_s
         request.first_token_s = None
         request.gateway_first_token_s = None
+        request.info = self.router.attempt_info(request.info, request.cached_blocks, backend_id)
         self.router.dispatch(backend_id, request.info)
         return backend_id
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from kiloserve.engine.sequence import Sequence
 from kiloserve.policies.base import RequestInfo
 from kiloserve.sim.prompts import Prompt
@@ -23,6 +25,7 @@ class SimRequest:
         "arrival_s",
         "attempt",
         "attempt_start_s",
+        "cached_blocks",
         "first_token_s",
         "gateway_first_token_s",
         "info",
@@ -46,6 +49,7 @@ class SimRequest:
         self.prompt = prompt
         self.arrival_s = arrival_s
         self.ranked: tuple[int, ...] = ()
+        self.cached_blocks: Mapping[str, int] | None = None  # the decision's prefix matches
         self.attempt = 0
         self.attempt_start_s = 0.0
         self.seq = seq

@@ -198,7 +198,7 @@ class Simulator:
         seq = _new_sequence(spec.request_id, prompt, spec.output_tokens, now_s)
         info = self.gateway.profile(spec, self.models.pick(), seq)
         request = SimRequest(spec, info, prompt, now_s, seq=seq)
-        request.ranked = self.gateway.decide(info, now_s)
+        self.gateway.route(request, now_s)
         if not request.ranked:
             self._record_failure(request, 503, NO_BACKEND, now_s)
             return []
