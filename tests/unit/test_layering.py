@@ -16,7 +16,7 @@ _PROBE = (
     "import sys, importlib; importlib.import_module({module!r}); "
     "print(','.join(sorted({{m.split('.')[0] for m in sys.modules}} & {heavy!r})))"
 )
-_HEAVY = {"aiohttp", "prometheus_client", "etcd3", "redis", "matplotlib"}
+_HEAVY = {"aiohttp", "prometheus_client", "etcd3", "redis", "matplotlib", "zmq", "jinja2"}
 
 
 @pytest.mark.parametrize(
