@@ -40,6 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", help="path to a tokenizer.json (default: approximation)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fault RNG")
     parser.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="report usage.prompt_tokens_details.cached_tokens (prefix-cache hits), as vLLM",
+    )
+    parser.add_argument(
         "--admin-token",
         help=f"bearer token /admin/faults requires (default: ${ADMIN_TOKEN_ENV}; unset: none)",
     )
@@ -111,6 +116,7 @@ def config_from_args(args: argparse.Namespace) -> TwinConfig:
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
     )
 
 

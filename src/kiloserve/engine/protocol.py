@@ -316,12 +316,18 @@ def output_text(num_tokens: int) -> str:
     return "".join(output_word(i) for i in range(num_tokens))
 
 
-def _usage(num_prompt: int, num_completion: int) -> dict[str, int]:
-    return {
+def _usage(num_prompt: int, num_completion: int, num_cached: int | None) -> dict[str, object]:
+    """vLLM's ``usage``; with ``num_cached`` (``--enable-prompt-tokens-details``) also
+    ``prompt_tokens_details.cached_tokens``: the prompt tokens served from the prefix
+    cache when the request was first scheduled."""
+    usage: dict[str, object] = {
         "prompt_tokens": num_prompt,
         "completion_tokens": num_completion,
         "total_tokens": num_prompt + num_completion,
     }
+    if num_cached is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": num_cached}
+    return usage
 
 
 class ChunkEncoder:
@@ -363,13 +369,18 @@ class ChunkEncoder:
         """A content-less chunk carrying only ``finish_reason`` (used when no token is left)."""
         return self._prefix + b'""' + self._tail % orjson.dumps(finish)
 
-    def usage_chunk(self, num_prompt: int, num_completion: int) -> bytes:
-        """Final chunk for ``stream_options.include_usage``: empty choices plus usage."""
-        usage = orjson.dumps(_usage(num_prompt, num_completion))
+    def usage_chunk(
+        self, num_prompt: int, num_completion: int, num_cached: int | None = None
+    ) -> bytes:
+        """Final chunk for ``stream_options.include_usage``: empty choices plus usage
+        (``num_cached``: also ``prompt_tokens_details``, as ``_usage``)."""
+        usage = orjson.dumps(_usage(num_prompt, num_completion, num_cached))
         return self._head + b',"choices":[],"usage":' + usage + b"}\n\n"
 
-    def full_response(self, num_prompt: int, num_completion: int, finish: str) -> bytes:
-        """The non-streaming JSON response body."""
+    def full_response(
+        self, num_prompt: int, num_completion: int, finish: str, num_cached: int | None = None
+    ) -> bytes:
+        """The non-streaming JSON response body (``num_cached``: as ``usage_chunk``)."""
         text = output_text(num_completion)
         if self.kind == "completion":
             choice: dict[str, object] = {"index": 0, "text": text, "logprobs": None}
@@ -380,7 +391,8 @@ class ChunkEncoder:
             choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
             obj = "chat.completion"
         body = {"id": self.request_id, "object": obj, "created": self.created}
-        body.update(model=self.model, choices=[choice], usage=_usage(num_prompt, num_completion))
+        usage = _usage(num_prompt, num_completion, num_cached)
+        body.update(model=self.model, choices=[choice], usage=usage)
         return orjson.dumps(body)
 
 

@@ -176,8 +176,17 @@ async def _send_full(twin: Twin, gen: GenerationRequest, stream: RequestStream) 
     if reason == "abort":
         return web.Response(status=499)  # the client is gone; nobody reads this
     num_prompt = len(gen.prompt_token_ids)
-    body = _encoder(twin, gen).full_response(num_prompt, stream.num_generated_tokens, reason)
+    body = _encoder(twin, gen).full_response(
+        num_prompt, stream.num_generated_tokens, reason, _num_cached(twin, stream)
+    )
     return web.Response(body=body, content_type="application/json")
+
+
+def _num_cached(twin: Twin, stream: RequestStream) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` (``None``: the flag is off)."""
+    if not twin.config.enable_prompt_tokens_details:
+        return None
+    return stream.num_cached_tokens
 
 
 async def _send_stream(
@@ -213,7 +222,9 @@ async def _send_stream(
                 break
             await response.write(data)
         if gen.include_usage:
-            data += encoder.usage_chunk(len(gen.prompt_token_ids), stream.num_generated_tokens)
+            data += encoder.usage_chunk(
+                len(gen.prompt_token_ids), stream.num_generated_tokens, _num_cached(twin, stream)
+            )
         await response.write(data + DONE_EVENT)
         await response.write_eof()
     return response

@@ -96,10 +96,17 @@ class RequestStream:
     finish_reason: str | None = None
     last_token_s: float | None = None
     _waiter: asyncio.Future[None] | None = field(default=None, repr=False)
+    _seq: Sequence | None = field(default=None, repr=False)  # the engine's sequence
 
     @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens the prefix cache served when the request was first scheduled
+        (vLLM's ``num_cached_tokens``; 0 before then)."""
+        return self._seq.num_cached_tokens if self._seq is not None else 0
 
     async def wait_beyond(self, num_seen_tokens: int) -> None:
         """Return once more than ``num_seen_tokens`` exist or the request finished."""
@@ -242,6 +249,7 @@ class TwinLoop:
             stop_reason=stop_reason,
             block_size=self._block_size,
         )
+        stream._seq = seq
         try:
             if self.api_overhead_s > 0:
                 await asyncio.sleep(self.api_overhead_s)
@@ -367,6 +375,7 @@ class TwinConfig:
     num_gpu_blocks_override: int | None = None  # KV blocks (null block included), as vLLM
     kv_events_endpoint: str | None = None  # ZMQ PUB address the twin binds (None: off)
     kv_events_replay_endpoint: str | None = None  # ZMQ ROUTER address for replays
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details, as vLLM
 
 
 @dataclass(slots=True, eq=False)

@@ -137,8 +137,23 @@ class KvEventCache:
             self._exact.discard(backend_id)
         self.exact_backends = frozenset(self._exact)
 
-    def match_depths(self, prefix_hashes: tuple[int, ...]) -> dict[str, int]:
-        """Depths for the exact backends (others are the approximate index's)."""
+    def match_depths(
+        self, prefix_hashes: tuple[int, ...], num_tokens: int | None = None
+    ) -> dict[str, int]:
+        """Depths (in the index's blocks) for the exact backends (others are the
+        approximate index's), as each engine can serve them: whole engine blocks (an
+        engine block of ``k`` index blocks is used whole or not at all) and, given the
+        prompt's ``num_tokens``, at most its first ``num_tokens - 1`` tokens in whole
+        engine blocks (vLLM computes at least the last token)."""
         if not self._exact:
             return {}
-        return self.index.match_depths(prefix_hashes, self.exact_backends)
+        index = self.index
+        depths = index.match_depths(prefix_hashes, self.exact_backends)
+        size = index.block_size
+        for backend_id, depth in depths.items():
+            engine_size = index.engine_block_size(backend_id) or size
+            tokens = depth * size // engine_size * engine_size
+            if num_tokens is not None:
+                tokens = min(tokens, max(0, num_tokens - 1) // engine_size * engine_size)
+            depths[backend_id] = tokens // size
+        return {b: d for b, d in depths.items() if d > 0}

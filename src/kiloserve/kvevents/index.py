@@ -134,6 +134,7 @@ class KvBlockIndex:
         self.max_blocks_per_backend = max_blocks_per_backend
         self._holders: dict[int, set[str]] = {}
         self._blocks: dict[str, dict[EngineHash, tuple[int, ...]]] = {}
+        self._engine_block_sizes: dict[str, int] = {}  # per backend, from its events
         self.counters = IndexCounters()
 
     # -- reading ---------------------------------------------------------------------
@@ -148,6 +149,10 @@ class KvBlockIndex:
 
     def backends(self) -> list[str]:
         return list(self._blocks)
+
+    def engine_block_size(self, backend_id: str) -> int | None:
+        """The block size ``backend_id``'s events use (None before its first store)."""
+        return self._engine_block_sizes.get(backend_id)
 
     def match_depths(
         self, prefix_hashes: Sequence[int], among: Collection[str] | None = None
@@ -230,6 +235,7 @@ class KvBlockIndex:
         if per_block is None:
             counters.mismatched += 1
             return
+        self._engine_block_sizes[backend_id] = event.block_size
         holders = self._holders
         for engine_hash, subs in zip(event.block_hashes, per_block, strict=False):
             blocks[engine_hash] = subs

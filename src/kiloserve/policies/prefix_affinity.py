@@ -94,7 +94,7 @@ class PrefixAffinityPolicy:
         hashes = request.prefix_hashes[: p.max_num_blocks_per_request]
         if request.input_tokens < p.min_prompt_tokens or not hashes:
             return self._least_load(pool, order, "short prompt")
-        depths = cached_depths(self.index, snapshot, hashes)
+        depths = cached_depths(self.index, snapshot, hashes, request.input_tokens)
         index, depth = _best_match(pool, ranks, depths)
         if depth == 0 or depth < p.min_match_fraction * len(hashes):
             decision = self._least_load(pool, order, "no prefix match")

@@ -25,11 +25,15 @@ __all__ = ["PrefixIndex", "cached_depths"]
 
 
 def cached_depths(
-    index: PrefixIndex, snapshot: ClusterSnapshot, prefix_hashes: Sequence[int]
+    index: PrefixIndex,
+    snapshot: ClusterSnapshot,
+    prefix_hashes: Sequence[int],
+    num_tokens: int | None = None,
 ) -> dict[str, int]:
     """Backend -> leading blocks of ``prefix_hashes`` it holds: from the engines' own KV
-    events for the backends whose stream is in order (``snapshot.kv_cache``, exact),
-    from ``index`` (what this gateway sent where) for the others."""
+    events for the backends whose stream is in order (``snapshot.kv_cache``, exact, in
+    what each engine can serve of a ``num_tokens``-token prompt: ``KvEventCache
+    .match_depths``), from ``index`` (what this gateway sent where) for the others."""
     approx = index.match_depths(prefix_hashes)
     cache = snapshot.kv_cache
     if cache is None:
@@ -37,7 +41,7 @@ def cached_depths(
     exact_ids = cache.exact_backends
     if not exact_ids:
         return approx
-    depths = cache.match_depths(tuple(prefix_hashes))
+    depths = cache.match_depths(tuple(prefix_hashes), num_tokens)
     for backend_id, depth in approx.items():
         if backend_id not in exact_ids:
             depths[backend_id] = depth

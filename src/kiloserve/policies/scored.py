@@ -218,7 +218,7 @@ class ScoredPolicy:
         )
         hashes = request.prefix_hashes[: p.max_num_blocks_per_request]
         if self.index is not None and hashes and request.input_tokens >= p.min_prompt_tokens:
-            ctx.prefix_depths = cached_depths(self.index, snapshot, hashes)
+            ctx.prefix_depths = cached_depths(self.index, snapshot, hashes, request.input_tokens)
             ctx.num_prefix_blocks = len(hashes)
         if self._rings is not None and request.session_key is not None:
             ctx.session_group = self._session_group(request, snapshot, pool)

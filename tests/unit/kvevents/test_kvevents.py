@@ -214,3 +214,18 @@ def test_identity_hasher_takes_engine_hashes_as_local_hashes() -> None:
     hashes = prefix_block_hashes(TOKENS, 16)
     index.apply("s", [BlockStored(tuple(hashes[:3]), None, (), 16)])
     assert index.match_depths(hashes) == {"s": 3}
+
+
+def test_exact_depths_are_what_each_engine_can_serve() -> None:
+    """An engine serves whole blocks of its own size, and computes at least the last
+    prompt token (issue 14: vLLM's 128-token CPU blocks against the gateway's 16)."""
+    cache = KvEventCache(KvBlockIndex(16))
+    cache.feed("big").on_batch(0, batch(stored([b"g0", b"g1"], None, TOKENS[:64], size=32)))
+    cache.feed("small").on_batch(0, batch(stored([b"s0", b"s1"], None, TOKENS[:32])))
+    partial = tuple(prefix_block_hashes(TOKENS[:48] + [1] * 52))  # 3 blocks, then others
+    assert cache.match_depths(partial) == {"big": 2, "small": 2}  # half an engine block: 0
+    whole = tuple(prefix_block_hashes(TOKENS[:64]))
+    assert cache.match_depths(whole) == {"big": 4, "small": 2}
+    # a 64-token prompt: the last token is computed, so only 63 tokens can hit
+    assert cache.match_depths(whole, num_tokens=64) == {"big": 2, "small": 2}
+    assert cache.match_depths(whole, num_tokens=65) == {"big": 4, "small": 2}
