@@ -211,3 +211,21 @@ def test_affinity_target_must_be_a_candidate() -> None:
     dispatch(policy, req(CHAT_A), "a")
     s = ClusterSnapshot(0.0, (backend("a", healthy=False), backend("b"), backend("c")))
     assert policy.choose(req(CHAT_A), s, random.Random(0)).ranked == ("b", "c")
+
+
+def test_index_single_and_shared_holders_and_substring_ids() -> None:
+    """One holder is stored as the id itself: ids that are substrings of each other
+    must not match ("b1" is not "b10")."""
+    index = PrefixIndex(100, 8)
+    index.insert([1, 2, 3], "b10")
+    assert index.match_depths([1, 2, 3]) == {"b10": 3}
+    index.insert([1, 2], "b1")
+    assert index.match_depths([1, 2, 3]) == {"b10": 3, "b1": 2}
+    index.forget_backend("b10")
+    assert index.match_depths([1, 2, 3]) == {"b1": 2}
+    index.forget_backend("b1")
+    assert index.num_blocks == 0
+    one = PrefixIndex(100, 1)  # one holder per block: the most recent wins
+    one.insert([1], "a")
+    one.insert([1], "b")
+    assert one.match_depths([1]) == {"b": 1}
