@@ -10,7 +10,19 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # imported lazily: the catalog uses this module without pydantic
     from pydantic import BaseModel
 
-__all__ = ["model_at", "unknown_keys_message"]
+__all__ = ["is_tcp_endpoint", "model_at", "unknown_keys_message"]
+
+
+def is_tcp_endpoint(value: str) -> bool:
+    """True for a ZMQ ``tcp://host:port`` to connect to (a host, not ``*``; a port > 0)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(value)
+    try:
+        port = parts.port
+    except ValueError:
+        return False
+    return parts.scheme == "tcp" and bool(parts.hostname) and parts.hostname != "*" and bool(port)
 
 
 def _models_in(annotation: object) -> list[type[BaseModel]]:

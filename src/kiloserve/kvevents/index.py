@@ -199,16 +199,19 @@ class KvBlockIndex:
     def clear_backend(self, backend_id: str) -> None:
         """Forget everything ``backend_id`` holds (restart, lost stream, removal)."""
         blocks = self._blocks.pop(backend_id, None)
-        if not blocks:
-            return
+        if blocks:
+            for subs in blocks.values():
+                self._release(backend_id, subs)
+
+    def _release(self, backend_id: str, subs: tuple[int, ...]) -> None:
+        """``backend_id`` no longer holds the local blocks ``subs``."""
         holders = self._holders
-        for subs in blocks.values():
-            for sub in subs:
-                held = holders.get(sub)
-                if held is not None:
-                    held.discard(backend_id)
-                    if not held:
-                        del holders[sub]
+        for sub in subs:
+            held = holders.get(sub)
+            if held is not None:
+                held.discard(backend_id)
+                if not held:
+                    del holders[sub]
 
     def _store(self, backend_id: str, event: BlockStored) -> None:
         counters = self.counters
@@ -257,15 +260,8 @@ class KvBlockIndex:
         blocks = self._blocks.get(backend_id)
         if not blocks:
             return
-        holders = self._holders
         for engine_hash in event.block_hashes:
             subs = blocks.pop(engine_hash, None)
-            if subs is None:
-                continue
-            self.counters.removed += 1
-            for sub in subs:
-                held = holders.get(sub)
-                if held is not None:
-                    held.discard(backend_id)
-                    if not held:
-                        del holders[sub]
+            if subs is not None:
+                self.counters.removed += 1
+                self._release(backend_id, subs)

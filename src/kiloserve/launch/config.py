@@ -36,7 +36,6 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit
 
 import yaml
 from pydantic import (
@@ -49,7 +48,7 @@ from pydantic import (
 )
 
 from kiloserve.errors import ConfigError
-from kiloserve.validation import model_at, unknown_keys_message
+from kiloserve.validation import is_tcp_endpoint, model_at, unknown_keys_message
 
 __all__ = [
     "AUTO",
@@ -158,12 +157,7 @@ def _check_explicit_endpoint(key: str, value: str, spec: BackendSpec) -> None:
             f"{key}: vLLM binds only wildcard and ipc:// endpoints (it connects to "
             f"tcp://host:port ones); use '{AUTO}' or ipc://PATH, got {value!r}"
         )
-    parts = urlsplit(value)
-    try:
-        port = parts.port
-    except ValueError:
-        port = None
-    if parts.scheme != "tcp" or not parts.hostname or parts.hostname == "*" or not port:
+    if not is_tcp_endpoint(value):
         raise ValueError(
             f"{key}: must be '{AUTO}', tcp://host:port (a port, not 0) or ipc://path, got {value!r}"
         )

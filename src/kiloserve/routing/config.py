@@ -11,6 +11,8 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from kiloserve.validation import is_tcp_endpoint
+
 __all__ = ["BackendConfig", "EngineKind"]
 
 EngineKind = Literal["vllm", "sglang", "llamacpp", "tgi", "auto"]
@@ -52,12 +54,7 @@ class BackendConfig(BaseModel):
             return None
         if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
             return endpoint
-        parts = urlsplit(endpoint)
-        try:
-            port = parts.port
-        except ValueError:
-            port = None
-        if parts.scheme != "tcp" or not parts.hostname or parts.hostname == "*" or not port:
+        if not is_tcp_endpoint(endpoint):
             raise ValueError(
                 "must be a ZMQ endpoint to connect to, tcp://host:port or ipc://path, "
                 f"got {endpoint!r}"
