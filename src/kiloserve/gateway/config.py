@@ -106,7 +106,7 @@ class GatewayConfig(_Strict):
     admin_allowed_hosts: list[str] = Field(default_factory=list)
     metrics_token: str | None = None  # when set, GET /metrics needs it as a bearer token
     block_size: int = Field(default=16, ge=1)
-    max_prefix_tokens: int = Field(default=2048, ge=0)
+    max_prefix_tokens: int = Field(default=8192, ge=0)
     default_output_tokens: int = Field(default=256, ge=1)
     seed: int | None = None
     models: dict[str, ModelConfig] = Field(default_factory=dict)

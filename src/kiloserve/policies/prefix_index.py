@@ -104,15 +104,36 @@ class PrefixIndex:
                     index[block_hash] = next(iter(holders))
 
     def match_depths(self, prefix_hashes: Sequence[int]) -> dict[str, int]:
-        """Backend id -> number of leading blocks of ``prefix_hashes`` it holds (> 0)."""
+        """Backend id -> number of leading blocks of ``prefix_hashes`` it holds (> 0).
+
+        Candidates are the holders of the first block and of the deepest block present:
+        a first block every prompt shares (a common system prompt, the trace's common
+        header) keeps only its ``max_num_holders_per_block`` most recent holders, and a
+        backend dropped there must still be found through its deeper blocks."""
         if not prefix_hashes:
             return {}
-        first = self._holders.get(prefix_hashes[0])
+        index = self._holders
+        first = index.get(prefix_hashes[0])
         if not first:
             return {}
-        if isinstance(first, str):
-            return {first: self._depth(prefix_hashes, first)}
-        return {bid: self._depth(prefix_hashes, bid) for bid in first}
+        candidates = {first} if isinstance(first, str) else set(first)
+        deepest = index.get(prefix_hashes[self._deepest_present(prefix_hashes) - 1])
+        if deepest is not None and deepest is not first:
+            candidates.update((deepest,) if isinstance(deepest, str) else deepest)
+        return {bid: self._depth(prefix_hashes, bid) for bid in candidates}
+
+    def _deepest_present(self, prefix_hashes: Sequence[int]) -> int:
+        """The number of leading blocks present in the index (any holder); the index is
+        kept prefix-closed (deepest blocks are evicted first), so a binary search."""
+        index = self._holders
+        lo, hi = 1, len(prefix_hashes)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if prefix_hashes[mid - 1] in index:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def _depth(self, prefix_hashes: Sequence[int], backend_id: str) -> int:
         index = self._holders
