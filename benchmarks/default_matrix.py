@@ -1,0 +1,546 @@
+"""The default policy, never beaten: every shipped policy x workload family x load, 1,024 GPUs.
+
+    .venv/bin/python benchmarks/default_matrix.py --quick        # 70% load, 7 policies
+    .venv/bin/python benchmarks/default_matrix.py                # 50/70/90%, all policies
+    .venv/bin/python benchmarks/default_matrix.py --workloads unique,mix \\
+        --policies least_request,default --loads 0.9 --json /tmp/matrix.json
+
+The contract (issue): on every workload family, at 50-90% load in the simulator at 1,024
+GPUs (``examples/cluster-1024.yaml``), no shipped policy beats ``default`` by more than
+10% on TTFT P99, E2E P99 or goodput; below saturation no GPU type sits idle while
+another queues; every report gives the prefix-cache hit rate.
+
+Setup:
+
+* Cluster ``examples/cluster-1024.yaml`` (368 backends, 1,024 GPUs, KV events on), every
+  request sent to ``--model`` (default ``Llama-3.1-70B``: 160 x TP4 H100 + 48 x TP4 A100
+  = 832 GPUs, the pool with two GPU types; the other pools sit idle and are left out of
+  the busy fractions). ``--model all`` spreads requests over the three model pools by
+  GPUs (loads are then fractions of the bottleneck pool's capacity).
+* Workload families (``FAMILIES``): unique prompts (Azure conversation trace), multi-turn
+  sessions, the Mooncake conversation trace (real shared prefixes), shared system
+  prompts (100 groups x 5,000 tokens, short unique tails), long documents, a mix.
+* Loads 50/70/90% of the family's capacity. Capacity (printed, with the method): the
+  rate where throughput stops following the offered rate, per backend line (GPU x TP x
+  model) on ONE replica of that line: double / halve, then bisect to 5%, the highest
+  rate at which the requests finishing in the last two thirds of >= 240 s of arrivals
+  are >= 90% of those arriving then (``keeps_up``); the cluster's capacity is the sum
+  over replicas (the ideal, perfectly balanced cluster; a router that overloads the
+  slower A100s saturates earlier). A probe sees its replica's share of the traffic as
+  under least-request routing: for sessions it runs every user's six turns (12,000
+  requests), a user's turns so far apart that none hits the cache (the capacity
+  without session affinity: every policy can carry 90% of it). ``--capacities PATH``
+  caches the searches in a JSON file (read when present).
+* Every policy of ``available_policies()`` except ``canary`` (needs version splits) and
+  ``scored`` (``default`` unless configured); the same request sequence for each.
+* Each run: ``--span`` seconds of arrivals at ``load x capacity`` (longer where that is
+  under ``--min-requests``, e.g. Mooncake's ~50 req/s, the warmup scaled alike);
+  latencies and goodput are measured on the requests arriving after ``--warmup`` (the
+  cluster fills up first), busy fractions over the same window (from the per-backend
+  utilisation series), the prefix-cache hit rate over the whole run (the engines'
+  counters). Runs start from cold caches: with 100 prefix groups a replica sees each
+  group only a few times in a run, so prefix-blind policies miss far more than they
+  would in a long steady state (the one-replica probe, 240 s, is warm).
+* Metrics: TTFT P99, E2E P99, goodput = requests/s (of the measured window's arrivals)
+  meeting the SLO ``ttft <= 2 s, tpot <= 100 ms`` (``kiloserve.results.metrics.is_good``).
+
+Prints one block per (workload, load) with every policy's numbers, then the matrix: per
+row the default's numbers, the worst ratio of any other policy for each metric (latency:
+min over others of other / default; goodput: min of default / other; below 1 means some
+policy does better, and which one), the verdict ("default never beaten" unless some
+policy is better by more than 10%: latency < 0.9 x default, goodput > 1.1 x default) and
+the default's per-GPU-type busy fractions with an idle-pool check (one type < 0.2 busy
+while another queues: > 0.95 busy or the TTFT P99 of the requests it served > 2 s; every
+run's check is in the JSON).
+
+Runtime on a shared 2-core machine: ``--quick`` about 25 minutes (capacity searches
+cached with ``--capacities``; 10-15 more the first time), the full matrix (198
+simulations, up to 43,000 requests each) a few hours; ``default`` is the slowest policy
+to simulate (KV events, scoring).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+from kiloserve.launch.cluster import BackendInfo  # noqa: E402
+from kiloserve.launch.config import ClusterConfig, load_cluster_config  # noqa: E402
+from kiloserve.policies import available_policies  # noqa: E402
+from kiloserve.results.metrics import Slo, is_good  # noqa: E402
+from kiloserve.sim import simulate  # noqa: E402
+from kiloserve.sim.cluster import describe_backends  # noqa: E402
+from kiloserve.workload import load_workload  # noqa: E402
+
+CLUSTER = REPO / "examples" / "cluster-1024.yaml"
+MODEL = "Llama-3.1-70B"
+LOADS = (0.5, 0.7, 0.9)
+QUICK_LOADS = (0.7,)
+QUICK_POLICIES = (
+    "round_robin", "least_request", "least_tokens", "power_of_two", "prefix_affinity",
+    "session_affinity", "default",
+)  # fmt: skip
+SKIPPED = {"canary": "needs version splits", "scored": "same as default unless configured"}
+SLO = Slo(ttft_ms=2000.0, tpot_ms=100.0)
+MARGIN = 0.10  # "better by more than 10%"
+IDLE_BUSY, QUEUE_BUSY = 0.2, 0.95  # idle: busy < 0.2; queueing: busy > 0.95 or TTFT P99 > SLO
+KEEP_UP = 0.9  # finished / arrived over the probe's window: the replica keeps up
+PROBE_SPAN_S = 240.0
+PROBE_MAX_REQUESTS = 20_000
+MAX_PROBES = 10
+CAPACITY_TOLERANCE = 0.05
+METRICS = ("ttft_p99_ms", "e2e_p99_ms", "goodput_rps")
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """A workload family: its spec and what its one-replica capacity probe needs."""
+
+    spec: str
+    what: str = ""
+    probe_requests: int = 0  # at least this many requests per probe (0: PROBE_SPAN_S)
+
+
+FAMILIES: dict[str, Family] = {
+    "unique": Family("azure-conv:repeat=inf", what="unique prompts (Azure conversation trace)"),
+    "multi-turn": Family(
+        "sessions:users=2000,turns=6,input=lognormal(400,0.8),output=lognormal(200,0.5)",
+        "multi-turn chats: 2,000 users x 6 turns, each turn extends the last prompt",
+        probe_requests=12_000,  # every user's 6 turns: the late turns' long prompts count
+    ),
+    "mooncake": Family("mooncake:repeat=inf", what="Mooncake conversation trace (shared prefixes)"),
+    "system-prompt": Family(
+        "synthetic:input=lognormal(200,0.5),output=lognormal(200,0.5),"
+        "prefix_groups=100,prefix_tokens=5000",
+        what="shared system prompts: 100 groups x 5,000 tokens + ~200 unique tokens",
+    ),
+    "longdoc": Family("mix:longdoc=1", what="long documents: lognormal(8000) in, (300) out"),
+    "mix": Family("mix:chat=0.6,longdoc=0.1,short=0.3", what="chat + long documents + short"),
+}  # fmt: skip
+
+
+# -- cluster and capacity ------------------------------------------------------------------
+def served_infos(infos: Sequence[BackendInfo], model: str | None) -> list[BackendInfo]:
+    return [i for i in infos if model is None or i.model == model]
+
+
+def one_replica(cluster: ClusterConfig, line: str) -> ClusterConfig:
+    """The backend line ``line`` of ``cluster`` with a single replica (its YAML settings)."""
+    data: dict[str, Any] = cluster.model_dump(mode="json", exclude_none=True)
+    data["backends"] = [{**b, "count": 1} for b in data["backends"] if b["name"] == line]
+    return ClusterConfig.model_validate(data)
+
+
+def line_of(backend_name: str, lines: Iterable[str]) -> str:
+    """The YAML line an expanded backend (``h100-70b-17``) comes from."""
+    return max((n for n in lines if backend_name == n or backend_name.startswith(f"{n}-")),
+               key=len)  # fmt: skip
+
+
+def keeps_up(
+    single: ClusterConfig, family: Family, rate_rps: float, args: argparse.Namespace
+) -> dict[str, Any]:
+    """One probe: ``spec`` at ``rate_rps`` on one replica for ``PROBE_SPAN_S`` of arrivals;
+    it keeps up when the requests finishing in the last two thirds of the arrival span
+    are at least ``KEEP_UP`` of those arriving then (throughput follows the offered rate)."""
+    count = max(200, family.probe_requests,
+                min(PROBE_MAX_REQUESTS, math.ceil(rate_rps * PROBE_SPAN_S)))  # fmt: skip
+    workload = load_workload(family.spec, seed=args.seed, num_requests=count, rate=rate_rps,
+                             with_prompts=False, traces_dir=args.traces_dir)  # fmt: skip
+    result = simulate(single, workload, "least_request", seed=args.seed,
+                      traces_dir=args.traces_dir, keep_records=True)  # fmt: skip
+    span_s = float(result.summary["arrival_span_s"])
+    start_s = span_s / 3.0
+    arrived = sum(1 for r in result.records if start_s <= r.start_s <= span_s)
+    done = sum(1 for r in result.records
+               if start_s <= r.start_s + (r.e2e_s or 0.0) <= span_s)  # fmt: skip
+    ratio = done / arrived if arrived else 0.0
+    return {"rate_rps": rate_rps, "done_per_arrived": round(ratio, 3),
+            "keeps_up": ratio >= KEEP_UP, "failed": result.summary["requests_failed"]}  # fmt: skip
+
+
+def replica_capacity(
+    cluster: ClusterConfig, line: str, family: Family, first_rps: float,
+    args: argparse.Namespace,
+) -> dict[str, Any]:  # fmt: skip
+    """The highest rate one replica of backend line ``line`` keeps up with: double (or
+    halve) from ``first_rps`` until a kept-up and a lost rate bracket it, then bisect
+    geometrically to ``CAPACITY_TOLERANCE`` (at most ``MAX_PROBES`` probes)."""
+    single = one_replica(cluster, line)
+    probes: list[dict[str, Any]] = []
+    low = high = None
+    rate = first_rps
+    while len(probes) < MAX_PROBES:
+        probes.append(keeps_up(single, family, rate, args))
+        if probes[-1]["keeps_up"]:
+            low = rate
+        else:
+            high = rate
+        if low is not None and high is not None:
+            if high / low <= 1.0 + CAPACITY_TOLERANCE:
+                break
+            rate = math.sqrt(low * high)
+        else:
+            rate = rate * 2.0 if high is None else rate / 2.0
+    return {"rps": low or 0.0, "is_bracketed": low is not None and high is not None,
+            "probes": probes}  # fmt: skip
+
+
+def family_capacity(
+    cluster: ClusterConfig, infos: Sequence[BackendInfo], family: Family,
+    args: argparse.Namespace, cache: dict[str, Any],
+) -> dict[str, Any]:  # fmt: skip
+    """Requests/s the served pool(s) sustain: per-line replica capacity x replicas."""
+    lines = [b.name for b in cluster.backends]
+    counts: dict[str, int] = {}
+    models: dict[str, str] = {}
+    for info in served_infos(infos, args.model):
+        line = line_of(info.name, lines)
+        counts[line] = counts.get(line, 0) + 1
+        models[line] = info.model
+    per_line: dict[str, Any] = {}
+    first = 2.0
+    for line in counts:
+        key = f"{cluster.name}|{line}|{family.spec}|n>={family.probe_requests}|seed={args.seed}"
+        if key not in cache:
+            t0 = time.perf_counter()
+            cache[key] = replica_capacity(cluster, line, family, first, args)
+            cache[key]["wall_s"] = round(time.perf_counter() - t0, 1)
+        per_line[line] = {**cache[key], "replicas": counts[line], "model": models[line]}
+        first = max(0.05, cache[key]["rps"]) or first
+    by_model: dict[str, float] = {}
+    for block in per_line.values():
+        by_model[block["model"]] = (
+            by_model.get(block["model"], 0.0) + block["rps"] * block["replicas"]
+        )
+    if args.model is not None:
+        total = by_model[args.model]
+    else:  # requests split by GPUs: the pool that saturates first bounds the cluster
+        gpus: dict[str, float] = {}
+        for info in infos:
+            gpus[info.model] = gpus.get(info.model, 0.0) + info.tp
+        share = {m: g / sum(gpus.values()) for m, g in gpus.items()}
+        total = min(c / share[m] for m, c in by_model.items())
+    return {"rps": total, "per_line": per_line}
+
+
+# -- one run ---------------------------------------------------------------------------------
+def p99(values: Sequence[float]) -> float:
+    return float(np.percentile(np.asarray(values, dtype=float), 99)) if values else math.nan
+
+
+def window_busy(
+    series: Mapping[str, Any], gpu_of: Mapping[str, str], start_s: float, end_s: float
+) -> dict[str, float]:
+    """Mean busy fraction per GPU type over samples taken in ``(start_s, end_s]``."""
+    times = series.get("t_s", [])
+    keep = [i for i, t in enumerate(times) if start_s < t <= end_s]
+    sums: dict[str, list[float]] = {}
+    for backend, gpu in gpu_of.items():
+        column = series["utilisation"].get(backend) or []
+        values = [column[i] for i in keep if i < len(column)]
+        if values:
+            acc = sums.setdefault(gpu, [0.0, 0.0])
+            acc[0] += sum(values)
+            acc[1] += len(values)
+    return {gpu: s / n for gpu, (s, n) in sums.items() if n}
+
+
+def run_one(
+    cluster: ClusterConfig, workload: Any, policy: str, gpu_of: Mapping[str, str],
+    span_s: float, warmup_s: float, args: argparse.Namespace,
+) -> dict[str, Any]:  # fmt: skip
+    t0 = time.perf_counter()
+    result = simulate(cluster, workload, policy, seed=args.seed, model=args.model,
+                      traces_dir=args.traces_dir, keep_records=True, slo=SLO)  # fmt: skip
+    wall_s = time.perf_counter() - t0
+    s = result.summary
+    window = [r for r in result.records if (r.scheduled_s or 0.0) >= warmup_s]
+    ok = [r for r in window if r.is_ok and r.ttft_s is not None and r.e2e_s is not None]
+    measured_s = max(1e-9, span_s - warmup_s)
+    num_good = sum(1 for r in window if is_good(r, SLO))
+    whole_run = {}
+    for gpu, pool in s.get("pools", {}).items():
+        n = sum(1 for g in gpu_of.values() if g == gpu)
+        if n:  # busy_s over the served backends only (the others are idle by design)
+            whole_run[gpu] = pool["busy_s"] / (n * s["simulated_duration_s"])
+    return {
+        "policy": policy,
+        "ttft_p99_ms": p99([r.ttft_s * 1000.0 for r in ok]),  # type: ignore[operator]
+        "e2e_p99_ms": p99([r.e2e_s * 1000.0 for r in ok]),  # type: ignore[operator]
+        "goodput_rps": num_good / measured_s,
+        "slo_attainment": num_good / len(window) if window else math.nan,
+        "measured_requests": len(window),
+        "failed": len(window) - len(ok),
+        "prefix_hit_rate": s["prefix_cache"]["hit_rate"],
+        "busy_window": window_busy(result.timeseries, gpu_of, warmup_s, span_s),
+        "pool_ttft_p99_ms": pool_ttft_p99(ok, gpu_of),
+        "busy_whole_run": whole_run,
+        "kv_events_publishers": s["kv_events"]["publishers"],
+        "summary": {
+            "ttft_p99_ms": s["ttft_ms"]["p99"], "e2e_p99_ms": s["e2e_ms"]["p99"],
+            "goodput": s.get("goodput"), "slo_attainment": s.get("slo_attainment"),
+            "requests_ok": s["requests_ok"], "requests_failed": s["requests_failed"],
+            "simulated_duration_s": s["simulated_duration_s"],
+            "arrival_span_s": s["arrival_span_s"],
+        },
+        "sim_wall_s": round(wall_s, 1),
+    }  # fmt: skip
+
+
+# -- verdicts --------------------------------------------------------------------------------
+def worst(runs: Mapping[str, Mapping[str, Any]], metric: str) -> tuple[float, str]:
+    """(worst ratio, policy): latency other / default, goodput default / other (min)."""
+    d = float(runs["default"][metric])
+    best = (math.inf, "-")
+    for policy, run in runs.items():
+        if policy == "default":
+            continue
+        o = float(run[metric])
+        if metric == "goodput_rps":
+            ratio = 1.0 if o == d else (d / o if o > 0 else math.inf)
+        else:
+            ratio = o / d if d > 0 else (1.0 if o == d else math.inf)
+        if math.isnan(ratio):
+            continue
+        if ratio < best[0]:
+            best = (ratio, policy)
+    return best if best[1] != "-" else (math.nan, "-")
+
+
+def verdict(ratios: Mapping[str, tuple[float, str]]) -> str:
+    beaten = []
+    for metric, (ratio, policy) in ratios.items():
+        name = {"ttft_p99_ms": "TTFT P99", "e2e_p99_ms": "E2E P99", "goodput_rps": "goodput"}[
+            metric
+        ]
+        if metric == "goodput_rps" and ratio < 1.0 / (1.0 + MARGIN):
+            beaten.append(f"{policy} on {name} (+{(1.0 / ratio - 1.0) * 100:.0f}%)")
+        elif metric != "goodput_rps" and ratio < 1.0 - MARGIN:
+            beaten.append(f"{policy} on {name} (-{(1.0 - ratio) * 100:.0f}%)")
+    return "default never beaten" if not beaten else "BEATEN by " + "; ".join(beaten)
+
+
+def idle_check(run: Mapping[str, Any]) -> str:
+    """ "IDLE ..." when a GPU type is under ``IDLE_BUSY`` busy while another queues (busy
+    over ``QUEUE_BUSY`` or its requests' TTFT P99 over the SLO's TTFT), else "ok"."""
+    busy, ttft = run["busy_window"], run["pool_ttft_p99_ms"]
+    if len(busy) < 2:
+        return "n/a (one GPU type)"
+    for idle in sorted(busy, key=busy.__getitem__):
+        if busy[idle] >= IDLE_BUSY:
+            break
+        for other in busy:
+            t = ttft.get(other, math.nan)
+            if other != idle and (busy[other] > QUEUE_BUSY or t > (SLO.ttft_ms or math.inf)):
+                return (f"IDLE {short(idle)} (busy {busy[idle]:.2f}) while {short(other)} "
+                        f"queues (busy {busy[other]:.2f}, TTFT P99 {fmt_ms(t)} ms)")  # fmt: skip
+    return "ok"
+
+
+def pool_ttft_p99(records: Sequence[Any], gpu_of: Mapping[str, str]) -> dict[str, float]:
+    """TTFT P99 (ms) of the requests each GPU type served."""
+    by_gpu: dict[str, list[float]] = {}
+    for r in records:
+        gpu = gpu_of.get(r.backend or "")
+        if gpu is not None:
+            by_gpu.setdefault(gpu, []).append(r.ttft_s * 1000.0)
+    return {gpu: p99(values) for gpu, values in by_gpu.items()}
+
+
+def short(gpu: str) -> str:
+    return gpu.split("-")[0]
+
+
+def fmt_ms(v: float) -> str:
+    return "nan" if math.isnan(v) else f"{v:.0f}"
+
+
+def fmt_busy(busy: Mapping[str, float]) -> str:
+    return " ".join(f"{short(g)}={v:.2f}" for g, v in sorted(busy.items()))
+
+
+def policy_line(run: Mapping[str, Any]) -> str:
+    hit = run["prefix_hit_rate"]
+    return (f"  {run['policy']:>16} {fmt_ms(run['ttft_p99_ms']):>9} {fmt_ms(run['e2e_p99_ms']):>9} "
+            f"{run['goodput_rps']:9.1f} {run['slo_attainment']:6.3f} "
+            f"{'-' if hit is None else f'{hit:.3f}':>6}  {fmt_busy(run['busy_window']):<22}"
+            f" {run['sim_wall_s']:6.1f}")  # fmt: skip
+
+
+def print_matrix(rows: Sequence[Mapping[str, Any]]) -> None:
+    print("\n## Matrix: default vs the best other policy per metric "
+          "(ratio < 1: someone beats the default; beaten = better by > 10%)")  # fmt: skip
+    print(f"{'workload':>13} {'load':>4} | {'def TTFT99':>10} {'def E2E99':>9} {'def good':>8} "
+          f"{'hit':>5} | {'TTFT ratio (policy)':>28} {'E2E ratio (policy)':>28} "
+          f"{'goodput ratio (policy)':>28} | busy (default) idle-check | verdict")  # fmt: skip
+    for row in rows:
+        d = row["runs"]["default"]
+        r = row["worst"]
+        hit = d["prefix_hit_rate"]
+        cells = [f"{r[m][0]:5.2f} ({r[m][1]})" for m in METRICS]
+        print(f"{row['workload']:>13} {row['load']:4.0%} | {fmt_ms(d['ttft_p99_ms']):>10} "
+              f"{fmt_ms(d['e2e_p99_ms']):>9} {d['goodput_rps']:8.1f} "
+              f"{'-' if hit is None else f'{hit:.2f}':>5} | {cells[0]:>28} {cells[1]:>28} "
+              f"{cells[2]:>28} | {fmt_busy(d['busy_window'])} {row['idle_check'].split(' (')[0]} | "
+              f"{row['verdict']}")  # fmt: skip
+    beaten = [r for r in rows if r["verdict"] != "default never beaten"]
+    print(f"\n{len(rows) - len(beaten)}/{len(rows)} rows: default never beaten.")
+    for r in beaten:
+        print(f"  {r['workload']} @ {r['load']:.0%}: {r['verdict']}")
+    idle = [r for r in rows if r["idle_check"].startswith("IDLE")]
+    print(
+        f"idle pool while another queues (default): {len(idle)} rows"
+        + "".join(f"\n  {r['workload']} @ {r['load']:.0%}: {r['idle_check']}" for r in idle)
+    )
+
+
+# -- main ------------------------------------------------------------------------------------
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--quick", action="store_true", help="70%% load only, 7 policies, --span 16 --warmup 6"
+    )
+    p.add_argument("--workloads", help=f"comma list of {','.join(FAMILIES)}")
+    p.add_argument("--policies", help="comma list (default: every shipped policy)")
+    p.add_argument("--loads", help="comma list of fractions of capacity (default 0.5,0.7,0.9)")
+    p.add_argument("--span", type=float, help="seconds of arrivals per run (default 24)")
+    p.add_argument("--warmup", type=float, help="arrivals before this are not measured (default 8)")
+    p.add_argument("--min-requests", type=int, help="lengthen a row's span to send at least "
+                   "this many requests (same warmup share; default 3000, quick 1500)")  # fmt: skip
+    p.add_argument("--model", default=MODEL, help=f"served model or 'all' (default {MODEL})")
+    p.add_argument("--cluster", type=Path, default=CLUSTER)
+    p.add_argument("--seed", type=int, default=11)
+    p.add_argument("--traces-dir", type=Path)
+    p.add_argument("--capacities", type=Path, help="JSON cache of the capacity searches")
+    p.add_argument("--json", type=Path, help="write every run's key numbers here")
+    args = p.parse_args(argv)  # fmt: skip
+    args.span = args.span or (16.0 if args.quick else 24.0)
+    args.min_requests = args.min_requests or (1500 if args.quick else 3000)
+    args.warmup = args.warmup if args.warmup is not None else (6.0 if args.quick else 8.0)
+    if not 0 <= args.warmup < args.span:
+        p.error("need 0 <= --warmup < --span")
+    args.model = None if args.model == "all" else args.model
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    families = args.workloads.split(",") if args.workloads else list(FAMILIES)
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown:
+        raise SystemExit(f"unknown workloads {unknown}; choose from {', '.join(FAMILIES)}")
+    shipped = [p for p in available_policies() if p not in SKIPPED]
+    policies = (args.policies.split(",") if args.policies
+                else list(QUICK_POLICIES if args.quick else shipped))  # fmt: skip
+    policies = [p for p in policies if p != "default"] + ["default"]
+    loads = ([float(x) for x in args.loads.split(",")] if args.loads
+             else list(QUICK_LOADS if args.quick else LOADS))  # fmt: skip
+    cluster = load_cluster_config(args.cluster)
+    infos = describe_backends(cluster)
+    if args.model is not None and args.model not in {i.model for i in infos}:
+        raise SystemExit(f"no backend serves {args.model!r}: {sorted({i.model for i in infos})}")
+    served = served_infos(infos, args.model)
+    gpu_of = {i.name: i.gpu for i in served}
+    print(
+        f"# default matrix: {cluster.name} ({len(infos)} backends, "
+        f"{sum(i.tp for i in infos)} GPUs), model {args.model or 'all (by GPUs)'} "
+        f"({len(served)} backends, {sum(i.tp for i in served)} GPUs: "
+        f"{', '.join(sorted(set(gpu_of.values())))})"
+    )
+    print(
+        f"# policies: {', '.join(policies)}; skipped: "
+        + "; ".join(f"{k} ({v})" for k, v in SKIPPED.items())
+    )
+    print(f"# loads {', '.join(f'{x:.0%}' for x in loads)}; {args.span:g} s of arrivals per "
+          f"run (longer for >= {args.min_requests} requests), measured after {args.warmup:g} s "
+          f"(scaled alike); SLO ttft <= 2 s, tpot <= 100 ms; "
+          f"seed {args.seed}")  # fmt: skip
+
+    cache: dict[str, Any] = {}
+    if args.capacities is not None and args.capacities.exists():
+        cache = json.loads(args.capacities.read_text())
+    print(
+        "\n## Capacity: per backend line, the highest rate one replica keeps up with "
+        "(finished >= 90% of arrived over the last 2/3 of >= 240 s of arrivals; bisected "
+        "to 5%), x replicas"
+    )
+    capacities: dict[str, dict[str, Any]] = {}
+    for name in families:
+        cap = family_capacity(cluster, infos, FAMILIES[name], args, cache)
+        capacities[name] = cap
+        lines = ", ".join(f"{line} {b['rps']:.2f}/s x {b['replicas']}"
+                          + ("" if b["is_bracketed"] else " (unbracketed)")
+                          for line, b in cap["per_line"].items())  # fmt: skip
+        print(f"{name:>13}: {cap['rps']:8.1f} req/s  ({lines})", flush=True)
+        if args.capacities is not None:
+            args.capacities.write_text(json.dumps(cache, indent=1))
+
+    rows: list[dict[str, Any]] = []
+    for name in families:
+        family = FAMILIES[name]
+        for load in loads:
+            rate = load * capacities[name]["rps"]
+            span_s = max(args.span, args.min_requests / rate)
+            warmup_s = args.warmup * span_s / args.span
+            workload = load_workload(family.spec, seed=args.seed, duration_s=span_s,
+                                     rate=rate, with_prompts=False,
+                                     traces_dir=args.traces_dir)  # fmt: skip
+            print(f"\n## {name} @ {load:.0%} = {rate:.1f} req/s for {span_s:.0f} s, measured "
+                  f"after {warmup_s:.0f} s ({family.spec}; {family.what})")  # fmt: skip
+            print(
+                f"  {'policy':>16} {'TTFT p99':>9} {'E2E p99':>9} {'goodput':>9} "
+                f"{'SLO ok':>6} {'hit':>6}  {'busy (measured window)':<22} {'wall s':>6}"
+            )
+            runs: dict[str, dict[str, Any]] = {}
+            for policy in policies:
+                runs[policy] = run_one(cluster, workload, policy, gpu_of, span_s, warmup_s, args)
+                runs[policy]["idle_check"] = idle_check(runs[policy])
+                print(policy_line(runs[policy]), flush=True)
+            row: dict[str, Any] = {"workload": name, "spec": family.spec, "load": load,
+                                   "rate_rps": rate, "span_s": span_s,
+                                   "warmup_s": warmup_s, "runs": runs}  # fmt: skip
+            if "default" in runs and len(runs) > 1:
+                row["worst"] = {m: worst(runs, m) for m in METRICS}
+                row["verdict"] = verdict(row["worst"])
+                row["idle_check"] = runs["default"]["idle_check"]
+                print(f"  -> {row['verdict']}; idle check: {row['idle_check']}")
+            rows.append(row)
+            if args.json is not None:
+                write_json(args, capacities, rows, policies, loads)
+    judged = [r for r in rows if "verdict" in r]
+    if judged:
+        print_matrix(judged)
+    return 0
+
+
+def write_json(
+    args: argparse.Namespace, capacities: Mapping[str, Any], rows: Sequence[Mapping[str, Any]],
+    policies: Sequence[str], loads: Sequence[float],
+) -> None:  # fmt: skip
+    data = {
+        "cluster": str(args.cluster), "model": args.model or "all", "seed": args.seed,
+        "span_s": args.span, "warmup_s": args.warmup, "slo": SLO.to_dict(),
+        "policies": list(policies), "loads": list(loads), "skipped": SKIPPED,
+        "capacity_method": "per backend line, the highest rate one replica keeps up with "
+        "(finished >= 90% of arrived over the last 2/3 of >= 240 s of arrivals; bisected "
+        "to 5%), x replicas",
+        "capacities": capacities, "rows": rows,
+    }  # fmt: skip
+    args.json.write_text(json.dumps(data, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
