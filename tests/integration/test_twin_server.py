@@ -173,6 +173,8 @@ async def test_metrics_follow_vllm_names(twin: TwinServer) -> None:
     assert m[_key("vllm:inter_token_latency_seconds_count")] == 15
     assert m[_key("vllm:e2e_request_latency_seconds_count")] == 3
     assert m[_key("vllm:time_to_first_token_seconds_bucket", le="2560.0")] == 3
+    assert m[_key("vllm:request_queue_time_seconds_count")] == 3  # one per request, sequential
+    assert m[_key("vllm:request_queue_time_seconds_bucket", le="0.3")] == 3  # none waited
     assert m[_key("vllm:num_requests_running")] == 0
     assert m[_key("vllm:kv_cache_usage_perc")] == 0
     # the same prompt three times: later requests hit the prefix cache

@@ -40,6 +40,8 @@ class StepTimer(Protocol):
 class StepResult:
     """What one step (or ``num_steps`` fused decode steps) did.
 
+    ``started``: the sequences this step scheduled for the first time (their queue
+    time, vLLM's ``vllm:request_queue_time_seconds``, ends when the step starts).
     A plain class, not a dataclass: the compiled build (mypyc) runs a dataclass's
     generated ``__init__`` as interpreted code, and one of these is made per step.
     """
@@ -52,6 +54,7 @@ class StepResult:
         "num_preempted",
         "num_prefill_tokens",
         "num_steps",
+        "started",
     )
 
     def __init__(
@@ -63,6 +66,7 @@ class StepResult:
         num_preempted: int = 0,
         num_prefill_tokens: int = 0,
         num_decode_tokens: int = 0,
+        started: list[Sequence] | None = None,
     ) -> None:
         self.duration_s = duration_s
         self.num_steps = num_steps
@@ -71,6 +75,7 @@ class StepResult:
         self.num_preempted = num_preempted
         self.num_prefill_tokens = num_prefill_tokens
         self.num_decode_tokens = num_decode_tokens
+        self.started: list[Sequence] = [] if started is None else started
 
     def _key(self) -> tuple[object, ...]:
         return (
@@ -81,6 +86,7 @@ class StepResult:
             self.num_preempted,
             self.num_prefill_tokens,
             self.num_decode_tokens,
+            [id(seq) for seq in self.started],
         )
 
     def __eq__(self, other: object) -> bool:
@@ -90,11 +96,13 @@ class StepResult:
 
     def __repr__(self) -> str:
         finished = [seq.seq_id for seq in self.finished]
+        started = [seq.seq_id for seq in self.started]
         return (
             f"StepResult(duration_s={self.duration_s!r}, num_steps={self.num_steps}, "
             f"new_tokens={self.new_tokens!r}, finished={finished!r}, "
             f"num_preempted={self.num_preempted}, num_prefill_tokens="
-            f"{self.num_prefill_tokens}, num_decode_tokens={self.num_decode_tokens})"
+            f"{self.num_prefill_tokens}, num_decode_tokens={self.num_decode_tokens}, "
+            f"started={started!r})"
         )
 
 
@@ -187,6 +195,7 @@ class EngineCore:
             num_preempted=batch.num_preempted,
             num_prefill_tokens=sum(num_new for num_new, _ in prefill),
             num_decode_tokens=len(decode_contexts),
+            started=batch.started,
         )
 
     def max_fast_forward_steps(self) -> int:

@@ -183,6 +183,7 @@ class TwinMetrics:
         self._ttft = self._histogram("vllm:time_to_first_token_seconds", TTFT_BUCKETS_S, labels)
         self._itl = self._histogram("vllm:inter_token_latency_seconds", ITL_BUCKETS_S, labels)
         self._e2e = self._histogram("vllm:e2e_request_latency_seconds", E2E_BUCKETS_S, labels)
+        self._queue = self._histogram("vllm:request_queue_time_seconds", E2E_BUCKETS_S, labels)
         self._lag = Gauge(
             "kiloserve_twin_loop_lag_seconds",
             "How far the real-time loop runs behind the modelled step deadlines.",
@@ -197,6 +198,10 @@ class TwinMetrics:
     def on_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:
         self._ttft.observe(ttft_s)
         self._prompt.inc(num_prompt_tokens)
+
+    def on_scheduled(self, queue_s: float) -> None:
+        """A request left the waiting queue after ``queue_s`` (vLLM's queue time)."""
+        self._queue.observe(queue_s)
 
     def on_tokens(self, num_tokens: int, itl_s: float | None) -> None:
         """``num_tokens`` generated in one step; ``itl_s`` is the gap since the previous one."""

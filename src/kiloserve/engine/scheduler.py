@@ -32,15 +32,17 @@ _REGISTER = 1
 
 
 class ScheduledBatch:
-    """One step's work: ``(sequence, number of tokens to compute)`` in schedule order
-    (a plain class: see ``StepResult``)."""
+    """One step's work: ``(sequence, number of tokens to compute)`` in schedule order;
+    ``started``: the sequences scheduled for the first time (they leave the waiting
+    queue: vLLM's queue time ends here). A plain class: see ``StepResult``."""
 
-    __slots__ = ("num_new_tokens", "num_preempted", "seqs")
+    __slots__ = ("num_new_tokens", "num_preempted", "seqs", "started")
 
     def __init__(self) -> None:
         self.seqs: list[Sequence] = []
         self.num_new_tokens: list[int] = []
         self.num_preempted = 0
+        self.started: list[Sequence] = []
 
     @property
     def is_empty(self) -> bool:
@@ -134,6 +136,7 @@ class Scheduler:
             manager.allocate(seq, cached_block_ids, num_new)
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = num_hit_tokens
+                batch.started.append(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)

@@ -73,6 +73,8 @@ class StepResultLike(Protocol):
     def new_tokens(self) -> dict[str, int]: ...
     @property
     def finished(self) -> list[Sequence]: ...
+    @property
+    def started(self) -> list[Sequence]: ...
 
 
 class EngineCoreLike(Protocol):
@@ -299,6 +301,7 @@ class TwinLoop:
                 deadline_s = None
                 await self._wait_for_work(IDLE_POLL_S)  # nothing schedulable yet
                 continue
+            self._note_started(result.started, start_s)
             deadline_s = start_s + result.duration_s * self._faults.slowdown
             self._faults.on_step(start_s, deadline_s)  # the thermal model's busy time
             delay_s = deadline_s - self._clock()
@@ -313,6 +316,13 @@ class TwinLoop:
             if self._kv_events is not None:
                 self._publish_kv_events(self._kv_events)
             self._deliver(result, now_s)
+
+    def _note_started(self, started: list[Sequence], start_s: float) -> None:
+        """Queue time (arrival to first schedule) of the sequences leaving the queue."""
+        for seq in started:
+            stream = self._streams.get(seq.seq_id)
+            if stream is not None:
+                self._metrics.on_scheduled(max(0.0, start_s - stream.arrival_s))
 
     @staticmethod
     def _publish_kv_events(kv_events: tuple[KvEventLog, KvEventPublisher]) -> None:

@@ -34,6 +34,7 @@ class RequestRecord:
     session_id: str | None = None
     user: str | None = None
     prefix_group: str | None = None
+    queue_s: float | None = None  # engine queue time (arrival -> first scheduled); sim only
 
     @property
     def tpot_s(self) -> float | None:

@@ -62,7 +62,8 @@ class SimBackend:
         self.awaiting_first_token: dict[str, SimRequest] = {}  # subset of requests
         self.is_busy = False
         self.step_end_s = 0.0
-        self.busy_s = 0.0
+        self.work_start_s = 0.0  # when the step (or fused run) in progress began
+        self.busy_s = 0.0  # modelled work of finished steps (see ``busy_s_at``)
         self.num_steps = 0  # engine steps committed (started), fused ones included
         self.num_fused_steps = 0  # steps modelled inside fused runs
         self.state_version = 0  # bumped whenever the engine's state may have changed
@@ -111,6 +112,7 @@ class SimBackend:
         """Begin the next step (or fused run) if there is work; returns its end time."""
         core = self.core
         self.is_busy = False
+        self.work_start_s = now_s
         if core is None or not core.has_unfinished():
             return None
         if self.is_fast_forward:
@@ -126,6 +128,9 @@ class SimBackend:
         self._touch()
         if result.num_steps == 0:
             return None  # nothing schedulable (cannot happen with a valid queue)
+        for seq in result.started:  # their engine queue time ends as the step starts
+            request = self.requests[seq.seq_id]
+            request.queue_s = now_s - request.engine_add_s
         self._pending = result
         self.num_steps += 1
         return self._busy_until(now_s + result.duration_s * self.slowdown)
@@ -143,6 +148,13 @@ class SimBackend:
         if result is not None:
             self.busy_s += result.duration_s * self.slowdown
         return result
+
+    def busy_s_at(self, now_s: float) -> float:
+        """Busy time up to ``now_s``: finished steps plus the part of the one in progress
+        (``busy_s`` alone grows only when a step ends, a fused run of seconds at once)."""
+        if not self.is_busy:
+            return self.busy_s
+        return self.busy_s + max(0.0, min(now_s, self.step_end_s) - self.work_start_s)
 
     def sync(self, now_s: float) -> float | None:
         """Commit the fused steps started by ``now_s``; returns the new end if it moved."""

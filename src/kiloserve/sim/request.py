@@ -26,10 +26,12 @@ class SimRequest:
         "attempt",
         "attempt_start_s",
         "cached_blocks",
+        "engine_add_s",
         "first_token_s",
         "gateway_first_token_s",
         "info",
         "prompt",
+        "queue_s",
         "ranked",
         "seq",
         "spec",
@@ -54,6 +56,8 @@ class SimRequest:
         self.attempt_start_s = 0.0
         self.seq = seq
         self.first_token_s: float | None = None  # backend side, current attempt
+        self.engine_add_s = 0.0  # when the current attempt reached its engine
+        self.queue_s: float | None = None  # engine queue time, current attempt
         self.gateway_first_token_s: float | None = None  # current attempt, at the gateway
 
     @property

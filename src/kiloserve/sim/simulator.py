@@ -250,6 +250,7 @@ class Simulator:
         record.ttft_s = None if first_s is None else first_s - request.arrival_s
         record.e2e_s = now_s - request.arrival_s
         record.output_tokens = request.spec.output_tokens
+        record.queue_s = request.queue_s
         record.is_ok, record.status = True, 200
         metrics.add_ok(record, request.backend_index, now_s)
 
@@ -282,6 +283,7 @@ class Simulator:
         if core is None or seq is None:
             return [AttemptFailed(now_s + self.delay_s, request, CONNECT_ERROR)]
         events = self._sync(backend, now_s)
+        request.engine_add_s, request.queue_s = now_s, None
         try:
             backend.add(request)
         except RequestError as exc:
@@ -365,9 +367,9 @@ class Simulator:
         if series is None or now_s < series.next_s:
             return
         span_s = now_s - counts.last_sample_s
-        busy = [b.busy_s for b in self.backends]
+        busy = [b.busy_s_at(now_s) for b in self.backends]
         utilisation = [
-            min(1.0, (now - last) / span_s) if span_s > 0 else 0.0
+            min(1.0, max(0.0, now - last) / span_s) if span_s > 0 else 0.0
             for now, last in zip(busy, counts.last_busy_s, strict=True)
         ]
         series.add(now_s, utilisation, [b.kv_usage for b in self.backends])

@@ -95,10 +95,12 @@ def test_step_results_and_stats() -> None:
     core.add(a)
     core.add(make_seq("b", 6, 3, base=100))
     assert (core.num_waiting, core.num_running) == (2, 0)
+    b = core.get_seq("b")
     first = core.step()
     assert first == StepResult(
-        duration_s=1000 + 7 * 8, num_steps=1, new_tokens={"a": 1}, num_prefill_tokens=8
-    )
+        duration_s=1000 + 7 * 8, num_steps=1, new_tokens={"a": 1}, num_prefill_tokens=8,
+        started=[a, b],
+    )  # fmt: skip
     assert (core.num_waiting, core.num_running, core.num_free_blocks) == (0, 2, 97)
     assert core.kv_usage == pytest.approx(3 / 100)
     second = core.step()  # a decodes over 7 tokens, b prefills 4 over 2
@@ -106,6 +108,7 @@ def test_step_results_and_stats() -> None:
     assert second.new_tokens == {"a": 1, "b": 1}
     assert [s.seq_id for s in second.finished] == ["a"]
     assert (second.num_prefill_tokens, second.num_decode_tokens) == (4, 1)
+    assert second.started == []  # b left the queue in the first step (a chunk of 2)
     assert a.finish_reason == "stop"
     assert core.get_seq("a") is None and core.get_seq("b") is not None
     assert (core.prefix_cache_queries_tokens, core.prefix_cache_hits_tokens) == (12, 0)
