@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kiloserve.kvevents.index import KvBlockIndex
+from kiloserve.kvevents.inflight import InFlightPrefixes
 from kiloserve.kvevents.wire import EventBatch
 
 __all__ = ["BackendFeed", "FeedCounters", "KvEventCache", "Mode"]
@@ -103,10 +104,16 @@ class BackendFeed:
 
 
 class KvEventCache:
-    """The exact index and every backend's feed; routing asks ``exact_backends``."""
+    """The exact index and every backend's feed; routing asks ``exact_backends``.
+
+    ``in_flight``: the prompts sent to each backend and not finished (the table's
+    ``on_dispatch`` / ``on_complete``): their blocks are pinned in the engine, so they
+    count as held before the engine's events for them arrive (``kvevents.inflight``).
+    """
 
     def __init__(self, index: KvBlockIndex) -> None:
         self.index = index
+        self.in_flight = InFlightPrefixes()
         self._feeds: dict[str, BackendFeed] = {}
         self._exact: set[str] = set()
         self.exact_backends: frozenset[str] = frozenset()
@@ -129,6 +136,7 @@ class KvEventCache:
         if feed is not None:
             feed.lost()
         self.index.clear_backend(backend_id)
+        self.in_flight.forget_backend(backend_id)
 
     def mode_changed(self, backend_id: str, mode: Mode) -> None:
         if mode == "exact":
@@ -141,19 +149,29 @@ class KvEventCache:
         self, prefix_hashes: tuple[int, ...], num_tokens: int | None = None
     ) -> dict[str, int]:
         """Depths (in the index's blocks) for the exact backends (others are the
-        approximate index's), as each engine can serve them: whole engine blocks (an
+        approximate index's), from their events and their requests in flight, as each
+        engine can serve them: whole engine blocks (an
         engine block of ``k`` index blocks is used whole or not at all) and, given the
         prompt's ``num_tokens``, at most its first ``num_tokens - 1`` tokens in whole
         engine blocks (vLLM computes at least the last token)."""
         if not self._exact:
             return {}
-        index = self.index
-        depths = index.match_depths(prefix_hashes, self.exact_backends)
-        size = index.block_size
+        exact = self.exact_backends
+        depths = self.index.match_depths(prefix_hashes, exact)
+        for backend_id, depth in self.in_flight.match_depths(prefix_hashes, exact).items():
+            if depth > depths.get(backend_id, 0):
+                depths[backend_id] = depth
         for backend_id, depth in depths.items():
-            engine_size = index.engine_block_size(backend_id) or size
-            tokens = depth * size // engine_size * engine_size
-            if num_tokens is not None:
-                tokens = min(tokens, max(0, num_tokens - 1) // engine_size * engine_size)
-            depths[backend_id] = tokens // size
+            depths[backend_id] = self.servable_depth(backend_id, depth, num_tokens)
         return {b: d for b, d in depths.items() if d > 0}
+
+    def servable_depth(self, backend_id: str, depth: int, num_tokens: int | None) -> int:
+        """``depth`` index blocks held by ``backend_id`` as its engine can serve them for
+        a ``num_tokens``-token prompt (see ``match_depths``)."""
+        index = self.index
+        size = index.block_size
+        engine_size = index.engine_block_size(backend_id) or size
+        tokens = depth * size // engine_size * engine_size
+        if num_tokens is not None:
+            tokens = min(tokens, max(0, num_tokens - 1) // engine_size * engine_size)
+        return tokens // size

@@ -191,6 +191,8 @@ class BackendTable:
     # -- live counters (hot path) --------------------------------------------------
     def on_dispatch(self, backend_id: str, info: RequestInfo) -> None:
         note_dispatch(self._records[backend_id].state, info)
+        if self.kv_cache is not None:
+            self.kv_cache.in_flight.add(backend_id, info.prefix_hashes)
 
     def on_first_token(self, backend_id: str, info: RequestInfo, ttft_ms: float) -> None:
         rec = self._records.get(backend_id)
@@ -200,6 +202,8 @@ class BackendTable:
     def on_complete(
         self, backend_id: str, info: RequestInfo, outcome: Outcome, *, had_first_token: bool
     ) -> None:
+        if self.kv_cache is not None:
+            self.kv_cache.in_flight.remove(backend_id, info.prefix_hashes)
         rec = self._records.get(backend_id)
         if rec is None:
             return
