@@ -4,6 +4,8 @@
 * ``index``: ``KvBlockIndex``, local block hash -> backends, kept exact by events.
 * ``feed``: ``KvEventCache`` / ``BackendFeed``: sequence numbers, gaps, restarts, and
   each backend's mode (exact or approximate) for routing.
+* ``inflight``: ``InFlightPrefixes``, the prompts sent to each backend and not finished
+  (pinned in its engine before its events arrive), counted by ``KvEventCache``.
 
 Pure modules (no sockets): the ZMQ publisher is the twin's (``engine.kvpublish``), the
 subscriber the gateway's (``gateway.kvevents``); the simulator feeds in-process.
