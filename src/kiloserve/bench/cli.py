@@ -29,7 +29,7 @@ from kiloserve.errors import ConfigError
 from kiloserve.results.metrics import Slo, parse_slo, summarize
 from kiloserve.results.records import BenchResult
 from kiloserve.results.report import write_report
-from kiloserve.results.tables import fmt
+from kiloserve.results.tables import fmt, prefix_cache_text
 from kiloserve.workload import (
     ArrivalMode,
     ClosedLoop,
@@ -256,4 +256,7 @@ def summary_table(summary: dict[str, Any]) -> Table:
         f"{fmt(summary['output_token_throughput'])} out tok/s"
         + (f"  goodput {fmt(summary['goodput'], 2)} req/s" if "goodput" in summary else "")
     )
+    cache = prefix_cache_text(summary)
+    if cache is not None:
+        table.caption += f"\nprefix-cache hit rate {cache}"
     return table

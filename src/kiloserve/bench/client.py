@@ -11,7 +11,9 @@ the number of non-empty chunks.
 Completions requests send ``max_tokens = output_tokens`` and ``ignore_eos: true`` so
 output lengths are exact; chat requests send one user message. A background ticker
 measures the client's own event-loop lag so reports can warn when the client, not the
-server, was the bottleneck. Prompts, headers and keys are never logged.
+server, was the bottleneck. The server's ``/metrics`` page is read before the first
+request and after the last one for the run's prefix-cache hit rate
+(``kiloserve.bench.prefix_cache``). Prompts, headers and keys are never logged.
 """
 
 from __future__ import annotations
@@ -29,13 +31,14 @@ import aiohttp
 import orjson
 
 from kiloserve.bench.lag import LagMonitor
+from kiloserve.bench.prefix_cache import PrefixCacheProbe
 from kiloserve.bench.stream import StreamState
 from kiloserve.errors import ConfigError
 from kiloserve.results.records import BenchResult, RequestRecord
 from kiloserve.workload import ArrivalMode, ClosedLoop, RequestSpec, Workload
 from kiloserve.workload.digest import WorkloadDigest
 
-__all__ = ["ENDPOINTS", "ClientOptions", "ProgressCounts", "run_bench"]
+__all__ = ["ENDPOINTS", "ClientOptions", "ProgressCounts", "base_url", "run_bench"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,9 +97,11 @@ async def run_bench(
     _check_run(workload, arrival, duration_s)
     max_conns = _max_connections(arrival)
     _raise_fd_limit(max_conns)
-    run = _Run(target, model, opts, workload.num_requests, stop or asyncio.Event())
     connector = aiohttp.TCPConnector(limit=max_conns, limit_per_host=0, ttl_dns_cache=300)
     async with aiohttp.ClientSession(connector=connector, headers=_headers(opts)) as session:
+        probe = PrefixCacheProbe(session, base_url(url))
+        await probe.start()
+        run = _Run(target, model, opts, workload.num_requests, stop or asyncio.Event())
         run.session = session
         monitor = LagMonitor(on_tick=run.tick(on_progress), tick_interval_s=progress_interval_s)
         async with monitor:
@@ -104,16 +109,20 @@ async def run_bench(
                 await run.closed_loop(iter(workload), arrival.concurrency, duration_s)
             else:
                 await run.open_loop(iter(workload), arrival.max_concurrency, duration_s)
+        ended_s = time.perf_counter()
+        run_s = ended_s - run.t0
         if on_progress is not None:
             on_progress(run.counts)
+        prefix_cache = await probe.finish(ended_s)
     return BenchResult(
         records=sorted(run.records, key=lambda r: r.start_s),
-        duration_s=run.elapsed_s(),
+        duration_s=run_s,
         started_at_unix=run.started_at_unix,
         client=monitor.stats(run.max_in_flight),
         config=_describe_run(url, model, opts, arrival, duration_s) | run.stopped(),
         workload=workload.describe(),
         workload_digest=run.digest.hexdigest(),
+        prefix_cache=prefix_cache,
     )
 
 
@@ -121,12 +130,17 @@ def endpoint_url(url: str, endpoint: str) -> str:
     """Full URL of ``endpoint`` on a server given as ``http://host:port`` (or ``.../v1``)."""
     if endpoint not in ENDPOINTS:
         raise ConfigError(f"unknown endpoint {endpoint!r}; valid: {', '.join(ENDPOINTS)}")
+    return base_url(url) + ENDPOINTS[endpoint]
+
+
+def base_url(url: str) -> str:
+    """The server root of ``url`` (``http://host:port``, any ``/v1`` suffix removed)."""
     base = url.rstrip("/")
     if not base.startswith(("http://", "https://")):
         raise ConfigError(f"--url must start with http:// or https://, got {url!r}")
     if base.endswith("/v1"):
         base = base[: -len("/v1")]
-    return base + ENDPOINTS[endpoint]
+    return base
 
 
 def build_body(spec: RequestSpec, model: str, opts: ClientOptions) -> bytes:

@@ -4,6 +4,12 @@ Counters and histograms are plain Python on the hot path and exported on collect
 per-backend gauges (in-flight, health, effective weight, staleness, scrape errors)
 are read from the live backend table only when ``/metrics`` is scraped.
 
+``kiloserve_gateway_backend_prefix_cache_queries_tokens{backend}`` and
+``..._hits_tokens{backend}`` mirror the engine's own cumulative prefix-cache counters
+(vLLM ``prefix_cache_queries_total`` / ``_hits_total``) as last scraped, only for
+backends that report them. They are gauges, not counters: they copy another
+process's counter, which starts again from 0 when the engine restarts.
+
 Deployment records (S5.5) are info-style gauges equal to 1:
 ``kiloserve_gateway_info{version, config_hash}`` and one
 ``kiloserve_backend_info{backend, model, version, gpu}`` per backend and model (models
@@ -74,6 +80,16 @@ class _TableCollector(Collector):
         errors = CounterMetricFamily(
             PREFIX + "scrape_errors", "failed engine metric scrapes", labels=labels
         )
+        queries = GaugeMetricFamily(
+            PREFIX + "backend_prefix_cache_queries_tokens",
+            "the engine's prefix-cache queries counter (tokens), as last scraped",
+            labels=labels,
+        )
+        hits = GaugeMetricFamily(
+            PREFIX + "backend_prefix_cache_hits_tokens",
+            "the engine's prefix-cache hits counter (tokens), as last scraped",
+            labels=labels,
+        )
         for bid in self._table.backend_ids():
             rec = self._table.record(bid)
             s = rec.state
@@ -85,8 +101,13 @@ class _TableCollector(Collector):
             last = rec.last_scrape_ok_s
             fams["scrape_age_s"].add_metric([bid], float("inf") if last is None else now - last)
             errors.add_metric([bid], rec.num_scrape_errors_total)
+            if rec.prefix_queries_tokens is not None and rec.prefix_hits_tokens is not None:
+                queries.add_metric([bid], rec.prefix_queries_tokens)
+                hits.add_metric([bid], rec.prefix_hits_tokens)
         yield from fams.values()
         yield errors
+        yield queries
+        yield hits
 
 
 class _InfoCollector(Collector):

@@ -154,6 +154,7 @@ def summarize(
         summary["slo_attainment"] = num_good / len(records) if records else 0.0
     summary |= backend_breakdown(records)
     summary["errors"] = top_errors(records)
+    summary["prefix_cache"] = result.prefix_cache
     slo_dict = slo.to_dict() if slo is not None else None
     summary |= run_info(result, slo_dict, command)
     summary |= dispatch_delay(result)

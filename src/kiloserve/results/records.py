@@ -91,3 +91,5 @@ class BenchResult:
     config: dict[str, object]
     workload: dict[str, object]
     workload_digest: str
+    # the run's prefix-cache counters (``kiloserve.bench.prefix_cache``); None unknown
+    prefix_cache: dict[str, object] | None = None

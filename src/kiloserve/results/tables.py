@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["comparison_markdown", "fmt", "summary_markdown"]
+__all__ = ["comparison_markdown", "fmt", "prefix_cache_text", "summary_markdown"]
 
 _LATENCIES = (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms"))
 _STATS = ("mean", "p50", "p90", "p95", "p99")
@@ -38,6 +38,22 @@ def fmt(value: object, digits: int = 1) -> str:
     if isinstance(value, int):
         return str(value)
     return f"{value:.{digits}f}" if abs(value) >= 0.01 or value == 0 else f"{value:.2e}"
+
+
+def prefix_cache_text(summary: Mapping[str, Any]) -> str | None:
+    """``43.2% (gateway, 2 backends; 1200 of 2778 tokens)``; None without a
+    ``prefix_cache`` block (the engines' counters were not readable)."""
+    block = summary.get("prefix_cache")
+    if not isinstance(block, Mapping):
+        return None
+    rate = block.get("hit_rate")
+    text = "n/a" if not isinstance(rate, int | float) else f"{rate:.1%}"
+    where = [str(block["source"])] if block.get("source") else []
+    if isinstance(block.get("backends"), int) and block.get("source") == "gateway":
+        where[-1] += f", {block['backends']} backends"
+    tokens = f"{block.get('hits_tokens')} of {block.get('queries_tokens')} tokens"
+    text += f" ({'; '.join([*where, tokens])})"
+    return text + (f"; {block['note']}" if block.get("note") else "")
 
 
 def summary_markdown(summary: Mapping[str, Any]) -> str:
@@ -86,6 +102,9 @@ def _totals(summary: Mapping[str, Any]) -> list[str]:
     if "goodput" in summary:
         rows.append((f"goodput (req/s) under {summary.get('slo')}", fmt(summary["goodput"], 2)))
         rows.append(("SLO attainment", fmt(summary.get("slo_attainment"), 3)))
+    cache = prefix_cache_text(summary)
+    if cache is not None:
+        rows.append(("prefix-cache hit rate (engine counters)", cache))
     lag = summary.get("client_lag_ms") or {}
     lag_text = f"{fmt(lag.get('p99'))} / {fmt(lag.get('max'))}"
     rows.append(("client loop lag p99 / max (ms)", lag_text))

@@ -15,6 +15,9 @@ Names understood (``field <- names``):
   sglang:token_usage, llamacpp:kv_cache_usage_ratio
 * prefix_hit_rate <- vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total
   (legacy vllm:gpu_prefix_cache_*), vllm:gpu_prefix_cache_hit_rate, sglang:cache_hit_rate
+* prefix_queries_tokens, prefix_hits_tokens <- the raw cumulative counters
+  vllm:prefix_cache_queries_total, vllm:prefix_cache_hits_total (legacy
+  vllm:gpu_prefix_cache_*), in tokens; None when the engine has no such counters (SGLang)
 * num_preemptions <- vllm:num_preemptions_total (legacy vllm:num_preemptions)
 * pcie_util <- max(DCGM_FI_PROF_PCIE_TX_BYTES, DCGM_FI_PROF_PCIE_RX_BYTES) / 32 GB/s
   (PCIe Gen4 x16, per direction), clipped to [0, 1]
@@ -69,6 +72,8 @@ class EngineMetrics:
     prefix_hit_rate: float | None = None
     num_preemptions: int | None = None
     pcie_util: float | None = None
+    prefix_queries_tokens: float | None = None  # cumulative counter (resets on restart)
+    prefix_hits_tokens: float | None = None
 
 
 def _split_sample(line: str) -> tuple[str, float] | None:
@@ -145,4 +150,6 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
         prefix_hit_rate=_hit_rate(values),
         num_preemptions=_as_int(values.get("num_preemptions")),
         pcie_util=None if pcie is None else min(1.0, max(0.0, pcie / PCIE_PEAK_BYTES_S)),
+        prefix_queries_tokens=values.get("prefix_queries"),
+        prefix_hits_tokens=values.get("prefix_hits"),
     )

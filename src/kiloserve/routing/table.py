@@ -59,6 +59,10 @@ class BackendRecord:
     is_scrape_healthy: bool = True
     vetoes: set[str] = field(default_factory=set)  # fault-tolerance reasons to stay unhealthy
     is_removing: bool = False  # left the registry; deleted once its in-flight requests end
+    # the engine's own cumulative prefix-cache counters (tokens) as last scraped; kept
+    # through failed scrapes; None when the engine does not report them
+    prefix_queries_tokens: float | None = None
+    prefix_hits_tokens: float | None = None
 
     @property
     def is_discovered(self) -> bool:
@@ -276,6 +280,8 @@ class BackendTable:
         s.pcie_util = metrics.pcie_util
         s.scrape_stale = False
         rec.engine = metrics.engine or rec.engine
+        rec.prefix_queries_tokens = metrics.prefix_queries_tokens
+        rec.prefix_hits_tokens = metrics.prefix_hits_tokens
         rec.last_scrape_ok_s = now_s
         self._scrape_succeeded(rec)
 

@@ -17,7 +17,7 @@ DATA = Path(__file__).resolve().parents[2] / "data" / "metrics"
 @pytest.mark.parametrize(
     ("name", "expected"),
     [
-        ("vllm", EngineMetrics("vllm", 12, 3, 0.4375, 0.4, 3, None)),
+        ("vllm", EngineMetrics("vllm", 12, 3, 0.4375, 0.4, 3, None, 2000.0, 800.0)),
         ("vllm_legacy", EngineMetrics("vllm", 12, 4, 0.8125, 0.25, 9, None)),
         ("sglang", EngineMetrics("sglang", 21, 6, 0.61, 0.42, None, None)),
         ("llamacpp", EngineMetrics("llamacpp", 2, 1, 0.172, None, None, None)),
