@@ -162,8 +162,12 @@ class DrillEnv:
         data = await self._http("GET", self.gateway_url + "/admin/backends")
         return {row["name"]: row for row in data["backends"]}
 
+    async def metrics_text(self) -> str:
+        """The gateway's ``/metrics`` exposition text."""
+        return str(await self._http("GET", self.gateway_url + "/metrics"))
+
     async def metric(self, prefix: str) -> float:
-        text = await self._http("GET", self.gateway_url + "/metrics")
+        text = await self.metrics_text()
         return sum(
             float(line.rsplit(" ", 1)[1])
             for line in str(text).splitlines()

@@ -56,6 +56,7 @@ from kiloserve.gateway.dashboard import add_dashboard_routes
 from kiloserve.gateway.dashboard_state import DashboardRecorder
 from kiloserve.gateway.errors import ProtocolErrorLog, error_middleware
 from kiloserve.gateway.headers import REQUEST_ID_HEADER
+from kiloserve.gateway.heap import load_malloc_trim, trim_loop
 from kiloserve.gateway.kvevents import KvEventSubscriber
 from kiloserve.gateway.limits import BodyBudget, accept_error_filter, make_runner
 from kiloserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics
@@ -66,6 +67,7 @@ from kiloserve.gateway.resilience.manager import Resilience
 from kiloserve.gateway.scrape import scrape_loop
 from kiloserve.gateway.upstream import UpstreamPool
 from kiloserve.policies.base import Decision, Policy, RequestInfo
+from kiloserve.policies.prefix_index import PrefixIndex
 from kiloserve.routing.router import Router
 from kiloserve.routing.table import BackendTable
 
@@ -446,6 +448,9 @@ async def _on_startup(app: web.Application) -> None:
         tasks.append(asyncio.create_task(_discovery_loop(session, ctx.table, cfg)))
     scraping = scrape_loop(session, ctx.table, cfg.scrape_interval_s, cfg.scrape_timeout_s)
     tasks.append(asyncio.create_task(scraping))
+    trim = load_malloc_trim() if cfg.malloc_trim_interval_s > 0 else None
+    if trim is not None:
+        tasks.append(asyncio.create_task(trim_loop(cfg.malloc_trim_interval_s, trim)))
     app[RESILIENCE_KEY].start(session, random.Random(cfg.seed))
     registry_task = start_registry(cfg, ctx.table, ctx.metrics)
     if registry_task is not None:
@@ -481,6 +486,18 @@ def _tokenizer_modes(profiler: Profiler) -> Callable[[], dict[str, str]]:
     return modes if modes is not None else dict
 
 
+def _prefix_index_fill(policy: Policy) -> Callable[[], tuple[int, int] | None]:
+    """(blocks, cap) of ``policy``'s approximate prefix index; None when it keeps none."""
+
+    def fill() -> tuple[int, int] | None:
+        index = getattr(policy, "index", None)
+        if not isinstance(index, PrefixIndex):
+            return None
+        return index.num_blocks, index.max_num_blocks
+
+    return fill
+
+
 def create_gateway_app(cfg: GatewayConfig, *, policy: Policy | None = None) -> web.Application:
     """Build the gateway app; ``policy`` overrides ``cfg.policy`` (tests, embedding)."""
     table = BackendTable(cfg)
@@ -492,6 +509,7 @@ def create_gateway_app(cfg: GatewayConfig, *, policy: Policy | None = None) -> w
     )
     profiler = Profiler(cfg)
     gw_metrics.tokenizer_modes = _tokenizer_modes(profiler)
+    gw_metrics.prefix_index_fill = _prefix_index_fill(chosen)
     ctx = ProxyContext(
         cfg=cfg,
         upstream=UpstreamPool(cfg.connect_timeout_s, cfg.max_idle_connections),

@@ -124,6 +124,8 @@ class GatewayConfig(_Strict):
     # mid-stream failover and stall detection (docs/gateway.md, "Mid-stream failover")
     migration: MigrationConfig = Field(default_factory=MigrationConfig)
     shutdown_grace_s: float = Field(default=30.0, ge=0.0)
+    # glibc malloc_trim(0) every this many seconds (0: never; gateway/heap.py)
+    malloc_trim_interval_s: float = Field(default=60.0, ge=0.0)
 
     @field_validator("admin_allowed_hosts")
     @classmethod

@@ -22,6 +22,10 @@ and losses), ``_kv_event_restarts_total``, ``_kv_event_bad_messages_total`` and
 ``kiloserve_kv_index_mode{backend, mode}`` (1 for the current mode, 0 for the other);
 ``kiloserve_kv_index_blocks`` (distinct blocks in the exact index) and
 ``kiloserve_tokenizer_mode{model, mode}`` (from ``tokenizer_modes``, set by the app).
+With a policy that keeps the approximate prefix index (``default``, ``scored``,
+``prefix_affinity``): ``kiloserve_prefix_index_blocks`` and
+``kiloserve_prefix_index_max_blocks`` (its cap; from ``prefix_index_fill``, set by the
+app), so a soak can tell the index filling up to its cap from a leak (issue 15).
 """
 
 from __future__ import annotations
@@ -208,6 +212,19 @@ class _KvCollector(Collector):
             for name in dict.fromkeys((*_KV_MODES, tok_mode)):
                 tokenizer.add_metric([model, name], 1.0 if name == tok_mode else 0.0)
         yield from (mode, blocks, tokenizer)
+        fill = self._m.prefix_index_fill()
+        if fill is not None:
+            num, cap = fill
+            yield GaugeMetricFamily(
+                "kiloserve_prefix_index_blocks",
+                "blocks in the policy's approximate prefix index (what this gateway sent where)",
+                value=num,
+            )
+            yield GaugeMetricFamily(
+                "kiloserve_prefix_index_max_blocks",
+                "the approximate prefix index's cap (policy param max_num_blocks)",
+                value=cap,
+            )
 
 
 class _Histogram:
@@ -294,6 +311,8 @@ class GatewayMetrics:
         self.kv_bad_messages: dict[str, int] = {}
         # model -> "exact" | "approximate" (the app sets the profiler's)
         self.tokenizer_modes: Callable[[], Mapping[str, str]] = dict
+        # (blocks, cap) of the policy's approximate prefix index, None without one
+        self.prefix_index_fill: Callable[[], tuple[int, int] | None] = lambda: None
         self.registry.register(_HotPathCollector(self))
         self.registry.register(_TableCollector(table))
         self.registry.register(_InfoCollector(table, __version__, config_hash))

@@ -22,7 +22,7 @@ Algorithm:
 Load is ``signals.request_load`` (requests per unit of weight * effective_weight).
 ``on_dispatch`` records up to ``max_num_blocks_per_request`` (1024) leading blocks of
 the prompt under the chosen backend; the index holds at most ``max_num_blocks``
-(200,000) hashes with at most ``max_num_holders_per_block`` (8) backends each.
+(174,000) hashes with at most ``max_num_holders_per_block`` (8) backends each.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pydantic import Field
 
 from kiloserve.policies.base import BackendState, ClusterSnapshot, Decision, Outcome, RequestInfo
 from kiloserve.policies.params import PolicyParams
-from kiloserve.policies.prefix_index import PrefixIndex, cached_depths
+from kiloserve.policies.prefix_index import DEFAULT_MAX_NUM_BLOCKS, PrefixIndex, cached_depths
 from kiloserve.policies.ranking import ids, order_by
 from kiloserve.policies.signals import UNKNOWN_LOAD_OFFSET, candidates, load_ranks
 
@@ -45,7 +45,7 @@ class PrefixAffinityParams(PolicyParams):
     min_match_fraction: float = Field(default=0.0, ge=0.0, le=1.0)
     balance_abs_threshold: float = Field(default=32.0, ge=0.0)
     balance_rel_threshold: float = Field(default=1.5, ge=1.0)
-    max_num_blocks: int = Field(default=200_000, ge=1)
+    max_num_blocks: int = Field(default=DEFAULT_MAX_NUM_BLOCKS, ge=1)
     max_num_holders_per_block: int = Field(default=8, ge=1)
     max_num_blocks_per_request: int = Field(default=1024, ge=1)
 

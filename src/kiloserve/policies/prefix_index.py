@@ -21,7 +21,16 @@ from collections.abc import Sequence
 from kiloserve.errors import ConfigError
 from kiloserve.policies.base import ClusterSnapshot
 
-__all__ = ["PrefixIndex", "cached_depths"]
+__all__ = ["DEFAULT_MAX_NUM_BLOCKS", "PrefixIndex", "cached_depths"]
+
+# The policies' default cap (``max_num_blocks``): the largest round number whose
+# OrderedDict keeps 2^19 slots under LRU churn. CPython resizes a dict that has used
+# up its slots (deletions leave dummies) to the next power of two >= 3x its live
+# entries, so an index at 200,000 blocks went to 2^20 slots under churn: 41 MiB at
+# steady state (its hash table and the OrderedDict's node array), 61 MiB while
+# resizing, not the 27 MiB it took when first full (issue 15's soak). 174,000 blocks
+# (3 x 174,000 < 2^19) stay at 25 MiB, 35 MiB while resizing.
+DEFAULT_MAX_NUM_BLOCKS = 174_000
 
 
 def cached_depths(
@@ -53,7 +62,8 @@ class PrefixIndex:
 
     A block with one holder (the common case) stores the backend id itself, not a
     one-entry dict: about 200 bytes less per block, a third of the index's memory at
-    its 200,000-block cap (issue 15's soak: the gateway's RSS grew while it filled).
+    its cap (issue 15's soak: the gateway's RSS grew while it filled). Keep
+    ``max_num_blocks`` under a third of a power of two (``DEFAULT_MAX_NUM_BLOCKS``).
     """
 
     def __init__(self, max_num_blocks: int, max_num_holders_per_block: int) -> None:

@@ -16,7 +16,7 @@ Example: ``{"scorers": {"queue": 1.0, "kv": 1.0, "prefix": 2.0, "latency": 0.5},
 scorers are not run. Cached prefixes come from the engines' own KV events for the
 backends whose event stream is in order (exact), else from a ``PrefixIndex`` of what
 this gateway sent where, updated in ``on_dispatch`` (same bounds as
-``prefix_affinity``: 200,000 blocks, 8 holders per block, 1024 blocks per request);
+``prefix_affinity``: 174,000 blocks, 8 holders per block, 1024 blocks per request);
 prefix scoring stops below ``min_prompt_tokens`` (512). The session scorer hashes the
 session key onto the pool's groups (``num_vnodes`` 64) without load bounds: the load
 scorers bound it.
@@ -48,7 +48,7 @@ from kiloserve.policies.base import BackendState, ClusterSnapshot, Decision, Out
 from kiloserve.policies.defaults import DEFAULT_PICKER, DEFAULT_SCORER_WEIGHTS
 from kiloserve.policies.hash_ring import RingCache, group_name, stable_hash64
 from kiloserve.policies.params import PolicyParams
-from kiloserve.policies.prefix_index import PrefixIndex, cached_depths
+from kiloserve.policies.prefix_index import DEFAULT_MAX_NUM_BLOCKS, PrefixIndex, cached_depths
 from kiloserve.policies.ranking import least_load_order, rank_by_keys
 from kiloserve.policies.scorers import SCORERS, ScorerName, ScoringContext
 from kiloserve.policies.signals import UNKNOWN_LOAD_OFFSET, candidates, load_ranks
@@ -65,7 +65,7 @@ class ScoredParams(PolicyParams):
     picker: Literal["max", "weighted_random"] = DEFAULT_PICKER
     latency_metric: Literal["ttft", "tpot"] = "ttft"
     min_prompt_tokens: int = Field(default=512, ge=0)
-    max_num_blocks: int = Field(default=200_000, ge=1)
+    max_num_blocks: int = Field(default=DEFAULT_MAX_NUM_BLOCKS, ge=1)
     max_num_holders_per_block: int = Field(default=8, ge=1)
     max_num_blocks_per_request: int = Field(default=1024, ge=1)
     num_vnodes: int = Field(default=64, ge=1, le=4096)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import tracemalloc
 from typing import Any
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from kiloserve.errors import ConfigError
 from kiloserve.policies import BackendState, ClusterSnapshot, RequestInfo, create_policy
 from kiloserve.policies.prefix_affinity import is_imbalanced
-from kiloserve.policies.prefix_index import PrefixIndex
+from kiloserve.policies.prefix_index import DEFAULT_MAX_NUM_BLOCKS, PrefixIndex
 from kiloserve.tokens import block_hashes, tokenize
 
 
@@ -32,6 +33,25 @@ CHAT_B = (*SYSTEM, *range(900, 930))
 
 
 # --- index -------------------------------------------------------------------------------
+
+
+def test_the_default_cap_keeps_the_index_under_28_mib_under_lru_churn() -> None:
+    """Issue 15: at 200,000 blocks LRU churn resized the OrderedDict to 2^20 slots (41
+    MiB at steady state, 27 MiB when first full); the default cap stays at 2^19."""
+    rng = random.Random(0)
+    tracemalloc.start()
+    try:
+        index = PrefixIndex(DEFAULT_MAX_NUM_BLOCKS, max_num_holders_per_block=8)
+        inserted = 0
+        while inserted < 2 * DEFAULT_MAX_NUM_BLOCKS + 10_000:  # full, then one churn resize
+            n = rng.randint(2, 10)
+            index.insert([rng.getrandbits(63) for _ in range(n)], f"b{inserted % 3}")
+            inserted += n
+        size, _peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert index.num_blocks == DEFAULT_MAX_NUM_BLOCKS
+    assert size < 28 * 2**20, f"{size / 2**20:.1f} MiB"
 
 
 def test_index_depths_per_backend() -> None:
