@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import yaml
@@ -29,20 +30,28 @@ async def _wait_ready(url: str, proc: subprocess.Popen[bytes]) -> None:
     raise AssertionError("gateway not ready")
 
 
+def launch_gateway(
+    tmp_path: Path, backend_url: str, **conf: Any
+) -> tuple[str, subprocess.Popen[bytes]]:
+    """A ``kiloserve gateway`` process on a free port in front of one backend (``t0``,
+    serving ``MODEL``; active health checks off); ``conf`` adds config keys."""
+    port = free_port()
+    full = {
+        "port": port,
+        "health": {"enabled": False},
+        "backends": [{"url": backend_url, "name": "t0", "models": [MODEL]}],
+        **conf,
+    }
+    path = tmp_path / "gw.yaml"
+    path.write_text(yaml.safe_dump(full))
+    argv = [sys.executable, "-m", "kiloserve", "gateway", "-c", str(path)]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return f"http://127.0.0.1:{port}", proc
+
+
 async def test_sigterm_lets_in_flight_streams_finish_then_exits(tmp_path: Path) -> None:
     async with twins({}, step_s=0.02) as servers:
-        port = free_port()
-        conf = {
-            "port": port,
-            "shutdown_grace_s": 10.0,
-            "health": {"enabled": False},
-            "backends": [{"url": servers[0].url, "name": "t0", "models": [MODEL]}],
-        }
-        path = tmp_path / "gw.yaml"
-        path.write_text(yaml.safe_dump(conf))
-        argv = [sys.executable, "-m", "kiloserve", "gateway", "-c", str(path)]
-        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        url = f"http://127.0.0.1:{port}"
+        url, proc = launch_gateway(tmp_path, servers[0].url, shutdown_grace_s=10.0)
         try:
             await _wait_ready(url, proc)
             body = {"model": MODEL, "prompt": "drain me", "max_tokens": 40, "stream": True}

@@ -10,18 +10,13 @@ measures the process's RSS as the user saw it.
 from __future__ import annotations
 
 import io
-import subprocess
-import sys
 from pathlib import Path
 
 import aiohttp
 import orjson
 import pytest
-import yaml
 from test_gateway_twins import MODEL, twins
-from test_health_shutdown import _wait_ready
-
-from conftest import free_port
+from test_health_shutdown import _wait_ready, launch_gateway
 
 _MB = 1 << 20
 NUM_USERS = 150
@@ -40,21 +35,11 @@ def _rss_mib(pid: int) -> float:
 @pytest.mark.timeout(180)
 async def test_150_unique_2mb_users_do_not_grow_the_gateway(tmp_path: Path) -> None:
     async with twins({}, step_s=0.0) as servers:
-        port = free_port()
-        conf = {
-            "port": port,
-            "policy": {"name": "least_request"},
-            "health": {"enabled": False},
-            "backends": [{"url": servers[0].url, "name": "t0", "models": [MODEL]}],
-        }
-        path = tmp_path / "gw.yaml"
-        path.write_text(yaml.safe_dump(conf))
-        argv = [sys.executable, "-m", "kiloserve", "gateway", "-c", str(path)]
-        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        url = f"http://127.0.0.1:{port}/v1/completions"
+        root, proc = launch_gateway(tmp_path, servers[0].url, policy={"name": "least_request"})
+        url = root + "/v1/completions"
         base = "u" * (2 * _MB)
         try:
-            await _wait_ready(f"http://127.0.0.1:{port}", proc)
+            await _wait_ready(root, proc)
             async with aiohttp.ClientSession() as s:
 
                 async def send(i: int) -> None:
