@@ -16,7 +16,13 @@ completion, so non-streamed traffic teaches the prefill speed too.
 Learned prefill speed: ``ewma_ttft_ms / ewma_prefill_work_tokens`` is the backend's
 observed milliseconds of TTFT per token of prefill work queued at dispatch (a ratio of
 EWMAs over the same requests). It captures GPU speed and engine overheads without
-knowing the hardware, and ``prefill_ms_per_token`` exposes it to policies.
+knowing the hardware, and ``prefill_ms_per_token`` exposes it to policies, once the
+backend has ``MIN_TTFT_SAMPLES`` first tokens: one sample seeds the EWMA, and a first
+request that met a cold connection or a short prompt whose TTFT is all fixed cost
+(26 tokens in 51 ms reads 2 ms a token) made a GPU type look many times slower than
+it is; nothing was sent there again, so nothing corrected it (issue 14, live: two H100
+twins got 1 request each of 300 on multi-turn chats). Until then the backend's speed is
+unknown and the policies fill it in from the others.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from kiloserve.policies.base import BackendState, Outcome, RequestInfo
 
 __all__ = [
     "EWMA_ALPHA",
+    "MIN_TTFT_SAMPLES",
     "estimated_ttft_ms",
     "ewma",
     "note_complete",
@@ -34,6 +41,7 @@ __all__ = [
 ]
 
 EWMA_ALPHA = 0.2
+MIN_TTFT_SAMPLES = 3  # first tokens before a backend's learned prefill speed is used
 
 
 def ewma(old: float | None, sample: float, alpha: float = EWMA_ALPHA) -> float:
@@ -59,6 +67,7 @@ def note_dispatch(s: BackendState, info: RequestInfo) -> None:
 def note_first_token(s: BackendState, info: RequestInfo, ttft_ms: float) -> None:
     s.outstanding_prefill_tokens = max(0, s.outstanding_prefill_tokens - prefill_tokens(info))
     s.ewma_ttft_ms = ewma(s.ewma_ttft_ms, ttft_ms)
+    s.num_ttft_samples += 1
 
 
 def note_complete(
@@ -91,8 +100,11 @@ def estimated_ttft_ms(s: BackendState, e2e_ms: float, output_tokens: int) -> flo
 
 
 def prefill_ms_per_token(s: BackendState) -> float | None:
-    """Observed TTFT per token of queued prefill work; None until both EWMAs exist."""
+    """Observed TTFT per token of queued prefill work; None until both EWMAs exist and
+    the backend has ``MIN_TTFT_SAMPLES`` first tokens."""
     work = s.ewma_prefill_work_tokens
     if s.ewma_ttft_ms is None or work is None or work <= 0.0:
+        return None
+    if s.num_ttft_samples < MIN_TTFT_SAMPLES:
         return None
     return s.ewma_ttft_ms / work

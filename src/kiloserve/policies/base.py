@@ -113,6 +113,7 @@ class BackendState:
     ewma_ttft_ms: float | None = None
     ewma_tpot_ms: float | None = None
     ewma_prefill_work_tokens: float | None = None
+    num_ttft_samples: int = 0  # first tokens seen (the learned speed needs a few)
     consecutive_errors: int = 0
 
     @property

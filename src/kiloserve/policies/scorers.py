@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
 
+from kiloserve.policies.accounting import MIN_TTFT_SAMPLES
 from kiloserve.policies.base import BackendState, RequestInfo
 from kiloserve.policies.hash_ring import group_name
 from kiloserve.policies.signals import (
@@ -180,6 +181,7 @@ def _group_speeds(pool: list[BackendState]) -> list[float | None]:
         if (ttft_ms := b.ewma_ttft_ms) is not None
         and (work := b.ewma_prefill_work_tokens) is not None
         and not work <= 0.0  # (not "> 0.0": a NaN work divides, as in accounting)
+        and b.num_ttft_samples >= MIN_TTFT_SAMPLES
         else None
         for b in pool
     ]

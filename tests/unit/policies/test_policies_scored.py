@@ -215,8 +215,9 @@ def test_default_spreads_hot_prefixes_instead_of_piling_them_up() -> None:
 def test_ttft_scorer_sends_long_prompts_to_the_faster_prefill() -> None:
     policy = create_policy("scored", {"scorers": {"ttft": 1.0}})
     # Learned speeds: "fast" took 0.05 ms per queued prefill token, "slow" 0.2 ms.
-    fast = backend("fast", ewma_ttft_ms=50.0, ewma_prefill_work_tokens=1000.0, kv_usage=0.1)
-    slow = backend("slow", ewma_ttft_ms=200.0, ewma_prefill_work_tokens=1000.0, kv_usage=0.1)
+    learned = {"ewma_prefill_work_tokens": 1000.0, "kv_usage": 0.1, "num_ttft_samples": 5}
+    fast = backend("fast", ewma_ttft_ms=50.0, **learned)
+    slow = backend("slow", ewma_ttft_ms=200.0, **learned)
     s = ClusterSnapshot(0.0, (slow, fast))
     assert policy.choose(req(input_tokens=8000), s, random.Random(0)).ranked == ("fast", "slow")
     # Queued work on the fast one: 0.05 * (30000 + 8000) > 0.2 * 8000, so "slow" wins.
@@ -251,6 +252,7 @@ def test_ttft_scorer_pools_learned_speed_per_gpu_type() -> None:
             kv_usage=0.1,
             ewma_ttft_ms=ms,
             ewma_prefill_work_tokens=1000.0,
+            num_ttft_samples=5,
         )
         for bid, ms in speeds.items()
     )
@@ -258,6 +260,29 @@ def test_ttft_scorer_pools_learned_speed_per_gpu_type() -> None:
     pool[0].outstanding_prefill_tokens = 1000  # the lucky one has work queued
     ranked = policy.choose(req(input_tokens=1000), s, random.Random(0)).ranked
     assert set(ranked[:2]) == {"h2", "h3"} and ranked[-1] == "a1"  # h2, h3 tie
+
+
+def test_one_ttft_sample_does_not_condemn_a_gpu_type() -> None:
+    """Found (issue 14, live multi-turn on examples/cluster.yaml): each H100 twin's first
+    request met a slow moment (155 ms for 326 tokens, 51 ms for 26: fixed cost), the
+    learned speed read the H100s as many times slower than the A100s, and the default
+    sent them 2 of 300 requests: nothing went there again to correct it. A speed counts
+    from ``MIN_TTFT_SAMPLES`` first tokens on; before, it is filled in from the others,
+    so the idle H100 wins over the busy A100."""
+    ttft_only = create_policy("scored", {"scorers": {"ttft": 1.0}})
+    a100 = backend("a100", gpu="A100", kv_usage=0.1, in_flight=2, num_running=2,
+                   outstanding_prefill_tokens=600, ewma_ttft_ms=70.0,
+                   ewma_prefill_work_tokens=560.0, num_ttft_samples=8)  # fmt: skip
+    h100 = backend("h100", gpu="H100", kv_usage=0.1, in_flight=0, num_running=0,
+                   ewma_ttft_ms=155.0, ewma_prefill_work_tokens=326.0)  # fmt: skip
+    s = ClusterSnapshot(0.0, (a100, h100))
+    for n in (1, 2):
+        h100.num_ttft_samples = n
+        assert ttft_only.choose(req(input_tokens=400), s, random.Random(0)).ranked[0] == "h100"
+        default = create_policy("default")
+        assert default.choose(req(input_tokens=400), s, random.Random(0)).ranked[0] == "h100"
+    h100.num_ttft_samples = 3  # three slow samples are believed: the A100's TTFT is lower
+    assert ttft_only.choose(req(input_tokens=400), s, random.Random(0)).ranked[0] == "a100"
 
 
 def test_ttft_scorer_sees_queues_other_clients_built() -> None:

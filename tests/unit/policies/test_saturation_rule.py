@@ -66,4 +66,5 @@ def test_default_does_not_avoid_the_backend_with_the_fullest_prefix_cache() -> N
     s = ClusterSnapshot(0.0, (slow, fast))
     fast.ewma_ttft_ms, fast.ewma_prefill_work_tokens = 10.0, 200.0
     slow.ewma_ttft_ms, slow.ewma_prefill_work_tokens = 40.0, 200.0
+    fast.num_ttft_samples = slow.num_ttft_samples = 5
     assert policy.choose(RequestInfo("r", "m", 200, 32), s, random.Random(0)).ranked[0] == "fast"

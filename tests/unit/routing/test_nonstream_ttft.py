@@ -71,6 +71,9 @@ def test_a_non_streamed_success_teaches_the_prefill_speed() -> None:
     heard.clear()
     outcome = _finish(router, "n", stream=False, end_s=1.7)  # TTFT ~ 700 - 400 = 300 ms
     assert state.ewma_ttft_ms == pytest.approx(100.0 + 0.2 * (300.0 - 100.0))
+    assert state.num_ttft_samples == 2
+    assert prefill_ms_per_token(state) is None  # used from MIN_TTFT_SAMPLES (3) samples on
+    state.num_ttft_samples = 3
     assert prefill_ms_per_token(state) == pytest.approx(140.0 / 400.0)
     assert outcome.ttft_ms is None  # the Outcome keeps what was measured
     assert heard == ["done:None"]  # an estimate is no first token: no listener hears one
