@@ -81,8 +81,8 @@ Live (``--live``): the same contract on real processes.
 * Defaults: load 70% only, the 7 ``--quick`` policies, every family (``--loads``,
   ``--policies``, ``--workloads`` change them); measured after the same share of each
   run's arrivals as the simulator's ``--warmup / --span`` (a third). Multi-turn runs
-  with ``--live-requests / 6`` users (50), so every user sends all six turns
-  (``live_spec``); the capacity is still the 2,000-user probe's.
+  with ``--live-requests / 6`` users (49: coprime with the 5 backends, see
+  ``live_spec``), so every user sends all six turns; the capacity is still the 2,000-user probe's.
 * Same metrics, SLO, verdicts and matrix. Live there are no busy fractions or engine
   queue times: the tables show, per GPU type, its share of the measured requests and
   their TTFT P99 instead, and the idle check says "n/a live". The hit rate is the
@@ -303,15 +303,22 @@ def family_capacity(
     return {"rps": total, "per_line": per_line}
 
 
-def live_spec(spec: str, num_requests: int) -> str:
+def live_spec(spec: str, num_requests: int, num_backends: int) -> str:
     """``--live``: a sessions spec with only as many users as ``num_requests`` holds whole
-    sessions (300 requests: 50 users x 6 turns). Requests are dealt to users round robin,
-    so 300 requests over 2,000 users would all be first turns; the simulator's runs
-    (thousands of requests) reach the later turns. Other specs are unchanged."""
+    sessions (300 requests: 49 users x 6 turns here). Requests are dealt to users round
+    robin, so 300 requests over 2,000 users would all be first turns; the simulator's
+    runs (thousands of requests) reach the later turns. The user count is made coprime
+    with ``num_backends``: with 50 users on 5 backends, round robin sent every turn of a
+    user to the same backend (request i and i + 50 alike), perfect session affinity by
+    accident (measured: hit rate 0.70 against 0.31 for least request). Other specs are
+    unchanged."""
     turns = re.search(r"turns=(\d+)", spec)
     if not spec.startswith("sessions:") or turns is None:
         return spec
-    return re.sub(r"users=\d+", f"users={max(1, num_requests // int(turns.group(1)))}", spec)
+    users = max(1, num_requests // int(turns.group(1)))
+    while users > 1 and math.gcd(users, num_backends) != 1:
+        users -= 1
+    return re.sub(r"users=\d+", f"users={users}", spec)
 
 
 # -- one run ---------------------------------------------------------------------------------
@@ -746,7 +753,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             rate = load * capacities[name]["rps"]
             spec = family.spec
             if live_cfg is not None:
-                spec = live_spec(family.spec, args.live_requests)
+                spec = live_spec(family.spec, args.live_requests, len(live_cfg.backends))
 
                 def make(spec: str = spec, rate: float = rate) -> Workload:
                     return load_workload(spec, seed=args.seed, num_requests=args.live_requests,
