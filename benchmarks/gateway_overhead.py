@@ -16,6 +16,13 @@ Figures (all measured in this run):
 * added p50 / p99 latency at moderate load (closed loop, concurrency 4) vs direct.
 * max requests/s (closed loop, concurrency 64).
 Targets (issue 3): <= 150 us CPU per request, <= 10 us per chunk, added p50 <= 1 ms.
+
+``--profile FILE`` runs the gateway under cProfile (``python -m cProfile -o FILE -m
+kiloserve gateway ...``) and prints its functions by own and cumulative time after the
+run (where the per-request CPU goes; the run's CPU figures then include the
+profiler's own cost, so read shares, not microseconds):
+
+    .venv/bin/python benchmarks/gateway_overhead.py --quick --profile /tmp/gw.prof
 """
 
 from __future__ import annotations
@@ -406,8 +413,10 @@ def start_all(
         ]
         procs.append(subprocess.Popen(cmd))
     gateway_yaml(tmp / "gateway.yaml", gw_port, backend_ports, args.policy)
+    profile = ["-m", "cProfile", "-o", str(args.profile)] if args.profile else []
     gw_cmd = [
         sys.executable,
+        *profile,
         "-m",
         "kiloserve",
         "gateway",
@@ -445,6 +454,12 @@ def main() -> int:
     ap.add_argument("--num-requests", type=int, default=4000)
     ap.add_argument("--num-streams", type=int, default=400)
     ap.add_argument("--quick", action="store_true", help="fewer requests (smoke run)")
+    ap.add_argument(
+        "--profile",
+        type=Path,
+        help="run the gateway under cProfile, write its stats here and print the top "
+        "functions (its CPU figures then include the profiler's cost: read the shares)",
+    )
     ap.add_argument("--serve-backend", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_backend:
@@ -461,7 +476,22 @@ def main() -> int:
         targets = start_all(args, Path(tmp_dir), procs)
         results = {t.name: asyncio.run(measure(t, args)) for t in targets}
         report(results)
+    if args.profile:  # written when the gateway exits (SIGTERM above)
+        print_profile(args.profile)
     return 0
+
+
+def print_profile(path: Path, top: int = 30) -> None:
+    """The gateway's functions by own time, then by cumulative time, and the total."""
+    import pstats
+
+    if not path.exists():
+        print(f"profile: {path} was not written (the gateway did not exit cleanly)")
+        return
+    stats = pstats.Stats(str(path))
+    print(f"\n## gateway profile ({path}): total {stats.total_tt:.2f} s in profiled calls")
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
 
 
 if __name__ == "__main__":
