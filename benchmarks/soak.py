@@ -59,6 +59,7 @@ from kiloserve.chaos.load import LoadGenerator, RequestResult  # noqa: E402
 from kiloserve.chaos.report import Timeline, p95  # noqa: E402
 from kiloserve.chaos.scenarios import SCENARIOS, DrillOptions  # noqa: E402
 from kiloserve.launch.config import parse_cluster_config  # noqa: E402
+from kiloserve.routing.engine_metrics import parse_samples  # noqa: E402
 
 CLUSTER: dict[str, Any] = {
     "name": "soak",
@@ -191,11 +192,7 @@ async def prefix_index_fill(env: DrillEnv) -> tuple[int | None, int | None]:
         text = await env.metrics_text()
     except (OSError, TimeoutError, aiohttp.ClientError):
         return None, None
-    values: dict[str, int] = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in PREFIX_GAUGES:
-            values[name] = int(float(value))
+    values = {name: int(v) for name, _, v in parse_samples(text) if name in PREFIX_GAUGES}
     return values.get(PREFIX_GAUGES[0]), values.get(PREFIX_GAUGES[1])
 
 

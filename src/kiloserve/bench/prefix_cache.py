@@ -26,11 +26,11 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
+
+from kiloserve.routing.engine_metrics import parse_samples
 
 __all__ = [
     "ENGINE_HITS",
@@ -71,33 +71,16 @@ class CacheCounters:
     scrape_age_s: dict[str, float] = field(default_factory=dict)
 
 
-def _sample_lines(text: str) -> Iterable[str]:
-    """The sample lines of the names we read (everything else is never parsed)."""
-    for line in text.splitlines():
-        line = line.strip()
-        if not line.startswith(_NAMES):
-            continue
-        name = line.split("{", 1)[0].split(None, 1)[0]
-        if name in _NAMES:
-            yield line
-
-
 def _samples(text: str) -> Samples:
-    """Tolerant parse: each wanted line alone through prometheus_client's parser, so a
-    malformed line elsewhere (or this one) costs only itself."""
+    """The series of the names we read (``routing.engine_metrics.parse_samples``: a
+    line that cannot be read costs only itself); NaN values are skipped."""
     out: Samples = {}
-    for line in _sample_lines(text):
-        try:
-            families = list(text_string_to_metric_families(line + "\n"))
-        except (ValueError, TypeError, IndexError, KeyError):
+    for name, labels, value in parse_samples(text):
+        if name not in _NAMES or math.isnan(value):
             continue
-        for family in families:
-            for sample in family.samples:
-                if sample.name not in _NAMES or math.isnan(sample.value):
-                    continue
-                key = tuple(sorted(sample.labels.items()))
-                series = out.setdefault(sample.name, {})
-                series[key] = series.get(key, 0.0) + sample.value
+        key = tuple(sorted(labels.items()))
+        series = out.setdefault(name, {})
+        series[key] = series.get(key, 0.0) + value
     return out
 
 

@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kiloserve.routing.engine_metrics import parse_samples
+
 __all__ = [
     "CAUSES",
     "THRESHOLDS",
@@ -148,27 +150,9 @@ class Finding:
 
 
 def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
-    """Samples of a Prometheus text page: (name, labels, value); comments skipped."""
-    out: list[tuple[str, dict[str, str], float]] = []
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        head, _, value = line.rpartition(" ")
-        try:
-            number = float(value)
-        except ValueError:
-            continue
-        labels: dict[str, str] = {}
-        name = head
-        if "{" in head and head.endswith("}"):
-            name, _, body = head[:-1].partition("{")
-            for part in body.split('",'):
-                key, eq, val = part.partition("=")
-                if eq:
-                    labels[key.strip()] = val.strip().strip('"')
-        out.append((name.strip(), labels, number))
-    return out
+    """Samples of a Prometheus text page: (name, labels, value); comments skipped
+    (``routing.engine_metrics.parse_samples``, the gateway's own reader)."""
+    return parse_samples(text)
 
 
 def engine_read(text: str) -> EngineRead:

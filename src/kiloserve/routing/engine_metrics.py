@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["PCIE_PEAK_BYTES_S", "EngineMetrics", "parse_engine_metrics"]
+__all__ = ["PCIE_PEAK_BYTES_S", "EngineMetrics", "parse_engine_metrics", "parse_samples"]
 
 PCIE_PEAK_BYTES_S = 32e9
 
@@ -93,6 +93,30 @@ def _split_sample(line: str) -> tuple[str, float] | None:
         return name, float(rest[0])
     except ValueError:
         return None
+
+
+def parse_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """Every sample of a Prometheus text page as (name, labels, value), tolerantly: a
+    line that cannot be read (or a comment) is skipped, a timestamp ignored. Label
+    values are unquoted, not unescaped (enough for the names and ids we match on)."""
+    out: list[tuple[str, dict[str, str], float]] = []
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line[0] == "#":
+            continue
+        sample = _split_sample(line)
+        if sample is None:
+            continue
+        name, value = sample
+        labels: dict[str, str] = {}
+        brace = line.find("{")
+        if brace >= 0:
+            for part in line[brace + 1 : line.rfind("}")].split('",'):
+                key, eq, val = part.partition("=")
+                if eq:
+                    labels[key.strip()] = val.strip().strip('"')
+        out.append((name.strip(), labels, value))
+    return out
 
 
 def _engine_of(name: str) -> str | None:
