@@ -182,6 +182,7 @@ def gateway_counts(text: str) -> dict[str, Any]:
     attempts: dict[str, float] = {}
     errors: dict[str, float] = {}
     flags: dict[str, dict[str, bool]] = {}
+    ejections: dict[str, float] = {}
     queue: dict[str, float] = {}
     for name, labels, value in parse_prometheus(text):
         backend = labels.get("backend", "")
@@ -191,10 +192,18 @@ def gateway_counts(text: str) -> dict[str, Any]:
                 errors[backend] = errors.get(backend, 0.0) + value
         elif name in ("kiloserve_gateway_backend_ejected", "kiloserve_gateway_backend_demoted"):
             flags.setdefault(backend, {})[name.rsplit("_", 1)[1]] = value > 0
+        elif name == "kiloserve_gateway_outlier_ejections_total" and backend:
+            ejections[backend] = ejections.get(backend, 0.0) + value
         elif name == "kiloserve_gateway_queue_depth":
             model = labels.get("model", "")
             queue[model] = queue.get(model, 0.0) + value
-    return {"attempts": attempts, "errors": errors, "flags": flags, "queue": queue}
+    return {
+        "attempts": attempts,
+        "errors": errors,
+        "flags": flags,
+        "ejections": ejections,
+        "queue": queue,
+    }
 
 
 def _delta(a: float | None, b: float | None) -> float | None:
@@ -230,6 +239,10 @@ def facts_from_reads(
     reads of the gateway's ``/metrics`` (``gateway_counts``) a window apart."""
     name = str(row.get("name", ""))
     flags = gw_last.get("flags", {}).get(name, {})
+    flags_first = gw_first.get("flags", {}).get(name, {})
+    ejections = gw_last.get("ejections", {}).get(name, 0.0) - gw_first.get("ejections", {}).get(
+        name, 0.0
+    )
     attempts = gw_last["attempts"].get(name, 0.0) - gw_first["attempts"].get(name, 0.0)
     errors = gw_last["errors"].get(name, 0.0) - gw_first["errors"].get(name, 0.0)
     models = row.get("models") or [""]
@@ -242,7 +255,9 @@ def facts_from_reads(
         routable=bool(row.get("routable", True)),
         draining=bool(row.get("draining", False)),
         unhealthy_reasons=tuple(str(r) for r in row.get("unhealthy_reasons") or ()),
-        ejected=bool(flags.get("ejected", False)),
+        # ejected at either read or during the window: an ejection that expired (and whose
+        # half-open trial passed) between the two reads is still this window's evidence
+        ejected=bool(flags.get("ejected") or flags_first.get("ejected") or ejections > 0),
         demoted=bool(flags.get("demoted", False)),
         in_flight=int(row.get("in_flight") or 0),
         consecutive_errors=int(row.get("consecutive_errors") or 0),

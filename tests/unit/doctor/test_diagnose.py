@@ -207,6 +207,25 @@ def test_facts_from_reads_takes_window_deltas() -> None:
     assert gw1["queue"] == {"m": 3.0}
 
 
+def test_an_ejection_that_ended_inside_the_window_still_counts() -> None:
+    """Ejected at the first read, or ejected and back (its half-open trial passed) between
+    the two reads: the window's evidence of an error burst is the ejection itself."""
+    page = ENGINE_PAGE
+    row = {"name": "a0", "models": ["m"]}
+    ejected = 'kiloserve_gateway_backend_ejected{backend="a0"} 1.0\n'
+    count = 'kiloserve_gateway_outlier_ejections_total{backend="a0"} %d\n'
+    cases = [(ejected + count % 1, count % 1), (count % 1, count % 2), (count % 1, count % 1)]
+    got = []
+    for a, b in cases:
+        read = engine_read(page)
+        f = facts_from_reads(
+            row, first=read, last=read, gw_first=gateway_counts(a), gw_last=gateway_counts(b),
+            connect_ok=True, health_ok=True, health_error="", rtt_ms=1.0,
+        )  # fmt: skip
+        got.append(f.ejected)
+    assert got == [True, True, False]
+
+
 def test_facts_from_failed_reads_are_unknown() -> None:
     bad = EngineRead(ok=False, error="timeout")
     gw = gateway_counts("")
