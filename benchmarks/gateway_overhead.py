@@ -241,9 +241,24 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def _descendants(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            for child in (task / "children").read_text().split():
+                out += [int(child), *_descendants(int(child))]
+    return out
+
+
 def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime
+    """CPU seconds (utime + stime) of a process and its live descendants (the workers
+    of ``kiloserve gateway --workers N``)."""
+    total = 0.0
+    for p in [pid, *_descendants(pid)]:
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return total
 
 
 def wait_port(port: int, timeout_s: float = 20.0) -> None:
@@ -355,12 +370,12 @@ def verdict(ok: bool) -> str:
 def report(results: dict[str, dict[str, float]]) -> None:
     direct = results["direct"]
     print(
-        f"\n{'target':<10}{'p50 ms':>9}{'p99 ms':>9}{'max req/s':>11}{'CPU us/req mod':>16}"
+        f"\n{'target':<12}{'p50 ms':>9}{'p99 ms':>9}{'max req/s':>11}{'CPU us/req mod':>16}"
         f"{'CPU us/req sat':>16}{'CPU us/chunk':>14}{'errors':>8}"
     )
     for name, r in results.items():
         print(
-            f"{name:<10}{r['p50_ms']:>9.3f}{r['p99_ms']:>9.3f}{r['max_rps']:>11.0f}"
+            f"{name:<12}{r['p50_ms']:>9.3f}{r['p99_ms']:>9.3f}{r['max_rps']:>11.0f}"
             f"{r.get('cpu_us_moderate', float('nan')):>16.1f}"
             f"{r.get('cpu_us_saturated', float('nan')):>16.1f}"
             f"{r.get('cpu_us_per_chunk', float('nan')):>14.2f}{r['errors']:>8.0f}"
@@ -384,6 +399,30 @@ def report(results: dict[str, dict[str, float]]) -> None:
         f"(target <= 1 ms: {verdict(added_p50 <= 1.0)}), p99 {added_p99:.3f} ms"
     )
     print(f"max requests/s: gateway {gw['max_rps']:.0f} vs direct {direct['max_rps']:.0f}")
+    print(
+        f"gateway CPU per request, default policy (issue 16: <= 100 us): "
+        f"{gw['cpu_us_saturated']:.1f} us ({verdict(gw['cpu_us_saturated'] <= 100)})"
+    )
+    base = results.get("gw-asyncio")
+    if base is not None:
+        ratio = gw["cpu_us_saturated"] / base["cpu_us_saturated"]
+        print(
+            f"event loop: default {gw['cpu_us_saturated']:.1f} us/req vs asyncio's "
+            f"{base['cpu_us_saturated']:.1f} ({ratio:.2f}x)"
+            f", {gw['cpu_us_per_chunk']:.2f} vs {base['cpu_us_per_chunk']:.2f} us/chunk, "
+            f"{gw['max_rps']:.0f} vs {base['max_rps']:.0f} req/s "
+            f"({gw['max_rps'] / base['max_rps']:.2f}x)"
+        )
+    for name, r in results.items():
+        if name.startswith("gw-") and name.endswith("w"):
+            speedup = r["max_rps"] / gw["max_rps"]
+            cpu = r["cpu_us_saturated"] / gw["cpu_us_saturated"]
+            print(
+                f"{name}: {r['max_rps']:.0f} req/s vs one worker's {gw['max_rps']:.0f} "
+                f"({speedup:.2f}x, issue 16 target >= 1.3x: {verdict(speedup >= 1.3)}); CPU "
+                f"per request {r['cpu_us_saturated']:.1f} vs {gw['cpu_us_saturated']:.1f} us "
+                f"({cpu:.2f}x, target within 10%: {verdict(cpu <= 1.10)})"
+            )
     if "nginx" in results:
         ng = results["nginx"]
         ratio = gw["cpu_us_saturated"] / max(ng["cpu_us_saturated"], 1e-9)
@@ -398,8 +437,8 @@ def report(results: dict[str, dict[str, float]]) -> None:
 def start_all(
     args: argparse.Namespace, tmp: Path, procs: list[subprocess.Popen[bytes]]
 ) -> list[Target]:
-    ports = free_ports(4)
-    backend_ports, gw_port, ng_port = ports[:2], ports[2], ports[3]
+    ports = free_ports(3)
+    backend_ports, ng_port = ports[:2], ports[2]
     for p in backend_ports:
         cmd = [
             sys.executable,
@@ -412,24 +451,34 @@ def start_all(
             str(args.chunk_gap_ms),
         ]
         procs.append(subprocess.Popen(cmd))
-    gateway_yaml(tmp / "gateway.yaml", gw_port, backend_ports, args.policy)
-    profile = ["-m", "cProfile", "-o", str(args.profile)] if args.profile else []
-    gw_cmd = [
-        sys.executable,
-        *profile,
-        "-m",
-        "kiloserve",
-        "gateway",
-        "-c",
-        str(tmp / "gateway.yaml"),
-        "--log-level",
-        "WARNING",
-    ]
-    gw = subprocess.Popen(gw_cmd, stdout=subprocess.DEVNULL)
-    procs.append(gw)
-    for p in [*backend_ports, gw_port]:
+    targets = [Target("direct", backend_ports, None)]
+    variants: list[tuple[str, list[str]]] = [("gateway", [])]
+    if not args.no_loop_baseline:
+        variants.append(("gw-asyncio", ["--loop", "asyncio"]))
+    if args.workers > 1:
+        variants.append((f"gw-{args.workers}w", ["--workers", str(args.workers)]))
+    for name, extra in variants:
+        port = free_ports(1)[0]
+        gateway_yaml(tmp / f"{name}.yaml", port, backend_ports, args.policy)
+        profile = ["-m", "cProfile", "-o", str(args.profile)] if args.profile else []
+        gw_cmd = [
+            sys.executable,
+            *(profile if name == "gateway" else []),
+            "-m",
+            "kiloserve",
+            "gateway",
+            "-c",
+            str(tmp / f"{name}.yaml"),
+            "--log-level",
+            "WARNING",
+            *extra,
+        ]
+        gw = subprocess.Popen(gw_cmd, stdout=subprocess.DEVNULL)
+        procs.append(gw)
+        wait_port(port)
+        targets.append(Target(name, [port], gw.pid))
+    for p in backend_ports:
         wait_port(p)
-    targets = [Target("direct", backend_ports, None), Target("gateway", [gw_port], gw.pid)]
     nginx = shutil.which("nginx")
     if nginx is None:
         print("nginx: binary not found, skipping the nginx reference (apt-get install -y nginx)")
@@ -459,6 +508,18 @@ def main() -> int:
         type=Path,
         help="run the gateway under cProfile, write its stats here and print the top "
         "functions (its CPU figures then include the profiler's cost: read the shares)",
+    )
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="also measure 'kiloserve gateway --workers N' (N > 1) in the same run",
+    )
+    ap.add_argument(
+        "--no-loop-baseline",
+        action="store_true",
+        help="skip the gateway on the standard asyncio loop (measured by default beside "
+        "the default loop, uvloop when installed)",
     )
     ap.add_argument("--serve-backend", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()

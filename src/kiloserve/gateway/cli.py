@@ -12,10 +12,11 @@ import asyncio
 import contextlib
 import logging
 import signal
+import sys
 
 from aiohttp import web
 
-from kiloserve.gateway.app import create_gateway_app, make_runner
+from kiloserve.gateway.app import TABLE_KEY, create_gateway_app, make_runner
 from kiloserve.gateway.config import (
     BackendConfig,
     GatewayConfig,
@@ -23,6 +24,8 @@ from kiloserve.gateway.config import (
     load_gateway_config,
     parse_gateway_config,
 )
+from kiloserve.gateway.loop import LoopError, loop_factory
+from kiloserve.routing.table import LoadShare
 
 __all__ = ["add_arguments", "build_config", "run", "serve"]
 
@@ -41,6 +44,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", help="routing policy registry name (default: 'default')")
     parser.add_argument("--host", help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="bind port (default 8000; 0 picks one)")
+    parser.add_argument(
+        "--loop",
+        choices=["auto", "uvloop", "asyncio"],
+        help="event loop (default auto: uvloop when installed)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        help="processes serving the port with SO_REUSEPORT and one shared in-flight "
+        "view (default 1; docs/gateway.md, 'Workers')",
+    )
 
 
 def build_config(args: argparse.Namespace) -> GatewayConfig:
@@ -56,13 +70,28 @@ def build_config(args: argparse.Namespace) -> GatewayConfig:
         updates["host"] = args.host
     if args.port is not None:
         updates["port"] = args.port
+    if getattr(args, "loop", None):
+        updates["event_loop"] = args.loop
+    if getattr(args, "workers", None) is not None:
+        updates["workers"] = args.workers
     merged = cfg.model_copy(update=updates)
     # validate the merged result (duplicate backends, port range)
     return parse_gateway_config(merged.model_dump(), source="gateway flags")
 
 
-async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None) -> None:
-    """Serve until ``stop`` is set (or SIGINT / SIGTERM)."""
+async def serve(
+    cfg: GatewayConfig,
+    stop: asyncio.Event | None = None,
+    *,
+    shared: LoadShare | None = None,
+    worker: int | None = None,
+) -> None:
+    """Serve until ``stop`` is set (or SIGINT / SIGTERM).
+
+    ``worker``: this process is worker ``worker`` of ``kiloserve gateway --workers N``
+    (gateway/workers.py): it binds the port with SO_REUSEPORT beside its peers and
+    shares their in-flight view through ``shared``.
+    """
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -72,22 +101,47 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event | None = None) -> None:
     # finish for up to shutdown_grace_s, then cancel what is left and exit.
     # make_runner: handler_cancellation, no access log, the request-head timeout and
     # the connection cap (gateway/limits.py)
-    runner = make_runner(create_gateway_app(cfg), cfg, shutdown_timeout=cfg.shutdown_grace_s)
+    app = create_gateway_app(cfg)
+    if shared is not None:
+        table = app[TABLE_KEY]
+        table.shared = shared
+        shared.resync(table.state_or_none)
+    runner = make_runner(app, cfg, shutdown_timeout=cfg.shutdown_grace_s)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, cfg.host, cfg.port)
+        reuse = True if worker is not None else None  # SO_REUSEPORT beside the peers
+        site = web.TCPSite(runner, cfg.host, cfg.port, reuse_port=reuse)
         await site.start()
         host, port = runner.addresses[0][:2]
         url = f"http://{host}:{port}"
-        logger.info("kiloserve gateway listening on %s", url)
-        print(f"kiloserve gateway listening on {url}", flush=True)
+        who = "kiloserve gateway" if worker is None else f"kiloserve gateway worker {worker}"
+        logger.info("%s listening on %s", who, url)
+        print(f"{who} listening on {url}", flush=True)
         await stop.wait()
         logger.info("stopping: in-flight requests get up to %.0f s", cfg.shutdown_grace_s)
     finally:
         await runner.cleanup()
 
 
+def run_one(
+    cfg: GatewayConfig, *, shared: LoadShare | None = None, worker: int | None = None
+) -> None:
+    """Serve ``cfg`` in this process on the configured event loop (gateway/loop.py)."""
+    factory, name = loop_factory(cfg.event_loop)
+    logger.info("event loop: %s", name)
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(serve(cfg, shared=shared, worker=worker))
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = build_config(args)
-    asyncio.run(serve(cfg))
+    try:
+        if cfg.workers > 1:
+            from kiloserve.gateway.workers import run_workers
+
+            return run_workers(cfg, args.log_level)
+        run_one(cfg)
+    except LoopError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import (
@@ -126,6 +126,11 @@ class GatewayConfig(_Strict):
     shutdown_grace_s: float = Field(default=30.0, ge=0.0)
     # glibc malloc_trim(0) every this many seconds (0: never; gateway/heap.py)
     malloc_trim_interval_s: float = Field(default=60.0, ge=0.0)
+    # the event loop: uvloop when installed (auto), or the standard library's (asyncio)
+    event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
+    # processes serving the port (SO_REUSEPORT) with one shared in-flight view
+    # (gateway/workers.py, docs/gateway.md "Workers")
+    workers: int = Field(default=1, ge=1, le=256)
 
     @field_validator("admin_allowed_hosts")
     @classmethod

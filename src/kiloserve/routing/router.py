@@ -104,6 +104,7 @@ class Router:
         ``BackendTable.snapshot``). The returned ``Decision`` may be empty.
         """
         table = self.table
+        table.sync()
         snapshot = table.snapshot(now_s, eligible_by_model)
         decision = self.policy.choose(info, snapshot, self.rng)
         pool = table.pool_ids(info.model)

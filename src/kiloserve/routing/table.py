@@ -22,7 +22,7 @@ mutate what they see.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from kiloserve.kvevents.feed import KvEventCache
     from kiloserve.routing.engine_metrics import EngineMetrics
 
-__all__ = ["EWMA_ALPHA", "BackendRecord", "BackendTable", "TableSettings"]
+__all__ = ["EWMA_ALPHA", "BackendRecord", "BackendTable", "LoadShare", "TableSettings"]
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +102,24 @@ class TableSettings(Protocol):
     def max_scrape_failures(self) -> int: ...
 
 
+class LoadShare(Protocol):
+    """Load shared with other routers of the same backends (``routing.shared_load``:
+    the gateway's worker processes). The table publishes the exact change its own
+    accounting made; ``pull`` adds the peers' changes to the table's states."""
+
+    def publish(self, backend_id: str, deltas: tuple[int, int, int]) -> None: ...
+
+    def pull(self, state_of: Callable[[str], BackendState | None]) -> None: ...
+
+    def resync(self, state_of: Callable[[str], BackendState | None]) -> None: ...
+
+    def set_draining(self, backend_id: str, draining: bool) -> None: ...
+
+
+def _load(s: BackendState) -> tuple[int, int, int]:
+    return s.in_flight, s.outstanding_prefill_tokens, s.outstanding_decode_tokens
+
+
 class BackendTable:
     """Live state of every configured backend, keyed by backend id.
 
@@ -122,6 +140,9 @@ class BackendTable:
         # the engines' prefix caches from KV events (set by the gateway or simulator
         # when backends publish them); every snapshot carries it to the policy
         self.kv_cache: KvEventCache | None = None
+        # the in-flight view shared with peer routers (gateway workers); None: this
+        # table is the only router of its backends
+        self.shared: LoadShare | None = None
 
     # -- lookup --------------------------------------------------------------------
     def backend_ids(self) -> list[str]:
@@ -135,6 +156,15 @@ class BackendTable:
 
     def state(self, backend_id: str) -> BackendState:
         return self.record(backend_id).state
+
+    def state_or_none(self, backend_id: str) -> BackendState | None:
+        rec = self._records.get(backend_id)
+        return None if rec is None else rec.state
+
+    def sync(self) -> None:
+        """Take in the peers' load changes (``shared``); a no-op without peers."""
+        if self.shared is not None:
+            self.shared.pull(self.state_or_none)
 
     def url_of(self, backend_id: str) -> str:
         return self.record(backend_id).state.url
@@ -194,14 +224,23 @@ class BackendTable:
 
     # -- live counters (hot path) --------------------------------------------------
     def on_dispatch(self, backend_id: str, info: RequestInfo) -> None:
-        note_dispatch(self._records[backend_id].state, info)
+        state = self._records[backend_id].state
+        if self.shared is None:
+            note_dispatch(state, info)
+        else:
+            before = _load(state)
+            note_dispatch(state, info)
+            self._publish(state, before)
         if self.kv_cache is not None:
             self.kv_cache.in_flight.add(backend_id, info.prefix_hashes)
 
     def on_first_token(self, backend_id: str, info: RequestInfo, ttft_ms: float) -> None:
         rec = self._records.get(backend_id)
         if rec is not None:
+            before = _load(rec.state)
             note_first_token(rec.state, info, ttft_ms)
+            if self.shared is not None:
+                self._publish(rec.state, before)
 
     def on_complete(
         self, backend_id: str, info: RequestInfo, outcome: Outcome, *, had_first_token: bool
@@ -211,9 +250,18 @@ class BackendTable:
         rec = self._records.get(backend_id)
         if rec is None:
             return
+        before = _load(rec.state)
         note_complete(rec.state, info, outcome, had_first_token=had_first_token)
+        if self.shared is not None:
+            self._publish(rec.state, before)
         if rec.is_removing and rec.state.in_flight == 0:
             self._delete(backend_id)
+
+    def _publish(self, state: BackendState, before: tuple[int, int, int]) -> None:
+        after = _load(state)
+        deltas = (after[0] - before[0], after[1] - before[1], after[2] - before[2])
+        if self.shared is not None and any(deltas):
+            self.shared.publish(state.backend_id, deltas)
 
     # -- dynamic membership (registry) ---------------------------------------------
     def add_backend(self, cfg: BackendConfig) -> None:
@@ -222,6 +270,8 @@ class BackendTable:
         if rec is None:
             self._records[cfg.backend_id] = BackendRecord(config=cfg, state=_new_state(cfg))
             logger.info("backend %s added (%s)", cfg.backend_id, cfg.url)
+            if self.shared is not None:  # what peers already count there
+                self.shared.resync(self.state_or_none)
         else:
             s, new = rec.state, _new_state(cfg)
             s.url, s.models, s.gpu, s.group = new.url, new.models, new.gpu, new.group
@@ -329,10 +379,13 @@ class BackendTable:
     # -- admin ---------------------------------------------------------------------
     def set_draining(self, backend_id: str, draining: bool) -> None:
         self.state(backend_id).draining = draining
+        if self.shared is not None:
+            self.shared.set_draining(backend_id, draining)
         logger.info("backend %s %s", backend_id, "draining" if draining else "undrained")
 
     def describe(self, now_s: float) -> list[dict[str, Any]]:
         """Live state of every backend, JSON-ready (for ``GET /admin/backends``)."""
+        self.sync()
         return [self._describe_one(r, now_s) for r in self._records.values()]
 
     @staticmethod

@@ -1,0 +1,189 @@
+"""``kiloserve gateway --workers N``: N gateway processes on one port, one in-flight view.
+
+The supervisor (this module's ``run_workers``, the process the user started) does no
+proxying. It fixes the port (``port: 0`` is resolved once, and kept reserved by a bound
+socket that never listens), creates the shared load segment
+(``routing.shared_load``) and a lock file beside it, and starts N workers
+(``python -m kiloserve.gateway.workers``, the settings on stdin). Each worker is a
+whole gateway: it binds the port with ``SO_REUSEPORT`` (the kernel spreads new
+connections across the workers), routes with its own policy and table, and shares
+its in-flight and outstanding-token counts and the operator's drains with the others
+through the segment, so every worker routes on the load of all of them.
+
+The supervisor prints one ``kiloserve gateway listening on URL (N workers)`` line once
+every worker listens, forwards the workers' other output, restarts a worker that dies
+(the new one first retires what the dead one still counted), and on SIGINT / SIGTERM
+stops them all (each gets ``shutdown_grace_s`` for its in-flight requests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+
+from kiloserve.gateway.config import GatewayConfig, parse_gateway_config
+from kiloserve.routing.shared_load import FileLock, LoadLayout, SharedLoad
+
+__all__ = ["run_workers", "worker_main"]
+
+logger = logging.getLogger(__name__)
+
+_READY = " listening on "
+_RESTART_LIMIT = 5  # restarts within _RESTART_WINDOW_S before the supervisor gives up
+_RESTART_WINDOW_S = 60.0
+
+
+def _reserve_port(host: str) -> socket.socket:
+    """A socket bound to ``host``:0 with SO_REUSEPORT (never listening): the port the
+    workers share, held for the supervisor's lifetime so nothing else takes it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, 0))
+    return sock
+
+
+class _Worker:
+    """One worker process and the thread that forwards its stdout."""
+
+    def __init__(self, index: int, spec: dict[str, object]) -> None:
+        self.index = index
+        self.ready = threading.Event()
+        self.started_s = time.monotonic()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kiloserve.gateway.workers"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({**spec, "worker": index}))
+        self.proc.stdin.close()
+        self._thread = threading.Thread(target=self._forward, daemon=True)
+        self._thread.start()
+
+    def _forward(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if _READY in line and not self.ready.is_set():
+                self.ready.set()
+                continue
+            sys.stdout.write(line)
+            sys.stdout.flush()
+
+
+def run_workers(cfg: GatewayConfig, log_level: str | None = None) -> int:
+    """Supervise ``cfg.workers`` gateway workers until SIGINT / SIGTERM."""
+    stop = threading.Event()
+
+    def on_signal(_sig: int, _frame: FrameType | None) -> None:
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    reserve = _reserve_port(cfg.host) if cfg.port == 0 else None
+    port = reserve.getsockname()[1] if reserve is not None else cfg.port
+    cfg = cfg.model_copy(update={"port": port})
+    load = SharedLoad.create(LoadLayout(workers=cfg.workers))
+    lock_path = str(Path(tempfile.gettempdir()) / f"kiloserve-{load.name}.lock")
+    level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
+    spec: dict[str, object] = {
+        "config": cfg.model_dump(mode="json"),
+        "segment": load.name,
+        "lock": lock_path,
+        "log_level": level,
+    }
+    workers: list[_Worker] = []
+    try:
+        FileLock(lock_path).close()  # create it before any worker opens it
+        workers = [_Worker(i, spec) for i in range(cfg.workers)]
+        deadline = time.monotonic() + 60.0
+        for w in workers:
+            while not w.ready.wait(0.1):
+                if stop.is_set() or w.proc.poll() is not None or time.monotonic() > deadline:
+                    print("kiloserve gateway: a worker did not start", file=sys.stderr)
+                    return 1
+        host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
+        url = f"http://{host}:{port}"
+        logger.info("kiloserve gateway listening on %s (%d workers)", url, cfg.workers)
+        print(f"kiloserve gateway listening on {url} ({cfg.workers} workers)", flush=True)
+        return _supervise(workers, spec, stop)
+    finally:
+        _stop_all(workers, cfg.shutdown_grace_s + 10.0)
+        load.close()
+        with contextlib.suppress(OSError):
+            os.unlink(lock_path)
+        if reserve is not None:
+            reserve.close()
+
+
+def _supervise(workers: list[_Worker], spec: dict[str, object], stop: threading.Event) -> int:
+    restarts: list[float] = []
+    while not stop.wait(0.2):
+        for i, w in enumerate(workers):
+            rc = w.proc.poll()
+            if rc is None:
+                continue
+            now = time.monotonic()
+            restarts = [t for t in restarts if now - t < _RESTART_WINDOW_S] + [now]
+            if len(restarts) > _RESTART_LIMIT:
+                logger.error("workers keep dying (%d restarts in %.0f s): stopping",
+                             len(restarts) - 1, _RESTART_WINDOW_S)  # fmt: skip
+                return 1
+            logger.warning("gateway worker %d exited (%s): starting a new one", i, rc)
+            workers[i] = _Worker(i, spec)
+    return 0
+
+
+def _stop_all(workers: list[_Worker], grace_s: float) -> None:
+    for w in workers:
+        if w.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                w.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for w in workers:
+        try:
+            w.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            w.proc.kill()
+            w.proc.wait()
+
+
+def worker_main() -> int:
+    """A worker: its settings as JSON on stdin (written by ``run_workers``)."""
+    spec = json.loads(sys.stdin.read())
+    index = int(spec["worker"])
+    logging.basicConfig(
+        level=str(spec.get("log_level", "INFO")).upper(),
+        format=f"%(asctime)s worker-{index} %(levelname)s %(name)s: %(message)s",
+    )
+    from kiloserve.gateway.cli import run_one  # the gateway app, only in workers
+
+    cfg = parse_gateway_config(spec["config"], source="gateway workers")
+    lock = FileLock(str(spec["lock"]))
+    shared = SharedLoad.attach(str(spec["segment"]), index, lock)
+    retired = shared.retire_predecessor()
+    if retired:
+        logger.info("retired the in-flight counts a dead worker left on %d backends", retired)
+    try:
+        run_one(cfg, shared=shared, worker=index)
+    finally:
+        shared.close()
+        lock.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main())

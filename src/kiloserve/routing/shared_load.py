@@ -1,0 +1,374 @@
+"""One exact in-flight view for the gateway's worker processes (``--workers N``).
+
+Each worker routes on a ``BackendTable`` of its own; what must agree across workers
+is the load the gateway itself put on each backend: requests in flight and the prefill
+and decode tokens they still owe (``policies.accounting``), and the operator's drains.
+They live in one shared-memory segment (``multiprocessing.shared_memory``):
+
+* a **name table**: slot -> backend id, claimed once per backend under a lock;
+* per worker, a **row** of its own counts per slot and a **ring** of its changes
+  ``(slot, field, delta)``. Only that worker writes its row and ring (single writer, no
+  lock on the hot path): it writes the entry, then its row, then publishes the ring's
+  write index, inside a sequence counter (odd while writing) so a reader can take a
+  consistent copy of the row and the index together;
+* a **drain** word per slot and an admin version, bumped on every drain / undrain.
+
+``publish`` records this worker's change (called by the table right after the
+accounting changed its own state, with the exact delta it applied). ``pull`` applies
+every peer's changes since the last pull to this worker's states (called before each
+routing decision and before every read of the table), so each worker's
+``BackendState`` counters are the sum over all workers, exact up to the changes a peer
+makes while a decision runs. A reader that fell more than a ring behind (a stalled
+worker) rebuilds its view from the rows. A worker that replaces a dead one first
+retires what the dead one still counted (its row, published as negative changes), so
+requests that died with it stop counting everywhere.
+
+What stays per worker: learned speeds (EWMAs), health, ejections and scrapes (each
+worker scrapes the engines itself), the approximate prefix index and the admission
+queue; see docs/gateway.md ("Workers").
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from multiprocessing import resource_tracker, shared_memory
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kiloserve.policies.base import BackendState
+
+__all__ = ["FIELDS", "FileLock", "LoadLayout", "SharedLoad"]
+
+logger = logging.getLogger(__name__)
+
+# the shared counters, in row order (BackendState attributes)
+FIELDS = ("in_flight", "outstanding_prefill_tokens", "outstanding_decode_tokens")
+_NF = len(FIELDS)
+_MAGIC = 0x4B494C4F4C4F4144  # "KILOLOAD"
+_HEADER = 8  # words: magic, workers, slots, ring, admin version, spare
+_NAME_BYTES = 248
+_NAME_WORDS = 1 + _NAME_BYTES // 8  # length word + utf-8 bytes
+_ENTRY = 3  # slot, field, delta
+_DRAIN_SET, _DRAIN_CLEAR = 1, 2
+_CREATED: set[str] = set()  # segments this process created (and its tracker unlinks)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadLayout:
+    """Sizes of the segment (in 8-byte words) for ``workers`` x ``slots`` x ``ring``."""
+
+    workers: int
+    slots: int = 4096
+    ring: int = 65536
+
+    @property
+    def names_at(self) -> int:
+        return _HEADER
+
+    @property
+    def drains_at(self) -> int:
+        return self.names_at + self.slots * _NAME_WORDS
+
+    @property
+    def workers_at(self) -> int:
+        return self.drains_at + self.slots
+
+    @property
+    def worker_words(self) -> int:
+        return 2 + self.slots * _NF + self.ring * _ENTRY  # seq, index, row, ring
+
+    def worker_at(self, w: int) -> int:
+        return self.workers_at + w * self.worker_words
+
+    @property
+    def words(self) -> int:
+        return self.workers_at + self.workers * self.worker_words
+
+
+def _buf(shm: shared_memory.SharedMemory) -> memoryview:
+    buf = shm.buf
+    if buf is None:  # closed
+        raise ValueError(f"shared memory {shm.name!r} is closed")
+    return buf
+
+
+class FileLock:
+    """A cross-process lock on a file (``flock``): released by the kernel when its
+    holder dies, so a crashed worker never leaves it taken."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+
+    def __enter__(self) -> FileLock:
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+class SharedLoad:
+    """One worker's handle on the segment (see the module docstring).
+
+    ``create`` makes the segment (the supervisor); ``attach`` opens it in a worker.
+    ``lock`` is a cross-process lock (``multiprocessing.Lock``) for claiming slots and
+    drains, never taken on the hot path; None in a single process (tests).
+    """
+
+    def __init__(
+        self,
+        shm: shared_memory.SharedMemory,
+        layout: LoadLayout,
+        worker: int,
+        lock: AbstractContextManager[object] | None,
+        *,
+        owner: bool = False,
+    ) -> None:
+        self._shm = shm
+        self.layout = layout
+        self.worker = worker
+        self._lock: AbstractContextManager[object] = lock if lock is not None else nullcontext()
+        self._owner = owner
+        self._raw = _buf(shm)
+        self._q = self._raw.cast("q")
+        self._slots: dict[str, int] = {}  # backend id -> slot (claimed)
+        self._names: dict[int, str] = {}  # slot -> backend id
+        self._cursors = [0] * layout.workers
+        self._admin_seen = -1
+        self._full_warned = False
+        self.num_resyncs = 0
+
+    # -- lifecycle -------------------------------------------------------------------
+    @classmethod
+    def create(
+        cls, layout: LoadLayout, lock: AbstractContextManager[object] | None = None
+    ) -> SharedLoad:
+        shm = shared_memory.SharedMemory(create=True, size=layout.words * 8)
+        _CREATED.add(shm.name)
+        q = _buf(shm).cast("q")
+        q[1], q[2], q[3] = layout.workers, layout.slots, layout.ring
+        q[0] = _MAGIC
+        q.release()
+        return cls(shm, layout, -1, lock, owner=True)
+
+    @classmethod
+    def attach(
+        cls, name: str, worker: int, lock: AbstractContextManager[object] | None = None
+    ) -> SharedLoad:
+        shm = shared_memory.SharedMemory(name=name)
+        # the creator owns (and unlinks) it: before 3.13 attaching registers it with this
+        # process's resource tracker, which would unlink it when this process exits
+        if shm.name not in _CREATED:
+            resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+        q = _buf(shm).cast("q")
+        if q[0] != _MAGIC:
+            q.release()
+            shm.close()
+            raise ValueError(f"shared memory {name!r} is not a kiloserve load segment")
+        layout = LoadLayout(workers=q[1], slots=q[2], ring=q[3])
+        q.release()
+        if not 0 <= worker < layout.workers:
+            shm.close()
+            raise ValueError(f"worker {worker} outside 0..{layout.workers - 1}")
+        return cls(shm, layout, worker, lock)
+
+    @property
+    def name(self) -> str:
+        return self._shm.name
+
+    def close(self) -> None:
+        self._q.release()
+        self._raw.release()
+        self._shm.close()
+        if self._owner:
+            self._shm.unlink()
+            _CREATED.discard(self._shm.name)
+
+    # -- slots -----------------------------------------------------------------------
+    def _read_name(self, slot: int) -> str:
+        at = self.layout.names_at + slot * _NAME_WORDS
+        n = self._q[at]
+        if n <= 0:
+            return ""
+        raw = self._raw[(at + 1) * 8 : (at + 1) * 8 + n]
+        return bytes(raw).decode("utf-8", "replace")
+
+    def slot(self, backend_id: str) -> int | None:
+        """The backend's slot, claimed on first use; None when the table is full."""
+        got = self._slots.get(backend_id)
+        if got is not None:
+            return got
+        key = backend_id.encode()[:_NAME_BYTES]
+        with self._lock:
+            free = None
+            for s in range(self.layout.slots):
+                name = self._read_name(s)
+                if not name:
+                    free = s
+                    break
+                if name.encode() == key:
+                    self._remember(s, name)
+                    return s
+            if free is None:
+                if not self._full_warned:
+                    logger.warning("shared load: all %d slots used; %s is counted per worker",
+                                   self.layout.slots, backend_id)  # fmt: skip
+                    self._full_warned = True
+                return None
+            at = self.layout.names_at + free * _NAME_WORDS
+            self._raw[(at + 1) * 8 : (at + 1) * 8 + len(key)] = key
+            self._q[at] = len(key)
+        self._remember(free, backend_id)
+        return free
+
+    def _remember(self, slot: int, backend_id: str) -> None:
+        self._slots[backend_id] = slot
+        self._names[slot] = backend_id
+
+    def _slot_name(self, slot: int) -> str:
+        got = self._names.get(slot)
+        if got is None:
+            got = self._read_name(slot)
+            if got:
+                self._remember(slot, got)
+        return got
+
+    # -- this worker's changes (hot path) --------------------------------------------
+    def publish(self, backend_id: str, deltas: tuple[int, int, int]) -> None:
+        """Record this worker's change of ``FIELDS`` for a backend (zeros skipped)."""
+        slot = self._slots.get(backend_id)
+        if slot is None:
+            slot = self.slot(backend_id)
+            if slot is None:
+                return
+        q, lay = self._q, self.layout
+        base = lay.worker_at(self.worker)
+        row = base + 2 + slot * _NF
+        ring = base + 2 + lay.slots * _NF
+        i = q[base + 1]
+        q[base] += 1  # odd: writing
+        for f in range(_NF):
+            d = deltas[f]
+            if d:
+                e = ring + (i % lay.ring) * _ENTRY
+                q[e] = slot
+                q[e + 1] = f
+                q[e + 2] = d
+                q[row + f] += d
+                i += 1
+        q[base + 1] = i
+        q[base] += 1  # even: consistent
+
+    # -- peers' changes ---------------------------------------------------------------
+    def pull(self, state_of: Callable[[str], BackendState | None]) -> None:
+        """Apply every peer's changes since the last pull (and new drains)."""
+        q, lay = self._q, self.layout
+        if q[4] != self._admin_seen:
+            self._apply_drains(state_of)
+        for w in range(lay.workers):
+            if w == self.worker:
+                continue
+            base = lay.worker_at(w)
+            end, start = q[base + 1], self._cursors[w]
+            if end == start:
+                continue
+            if end - start > lay.ring:
+                self.resync(state_of)
+                return
+            ring = base + 2 + lay.slots * _NF
+            for i in range(start, end):
+                e = ring + (i % lay.ring) * _ENTRY
+                slot, f, d = q[e], q[e + 1], q[e + 2]
+                name = self._slot_name(slot)
+                s = state_of(name) if name else None
+                if s is not None:
+                    attr = FIELDS[f]
+                    setattr(s, attr, getattr(s, attr) + d)
+            if q[base + 1] - start > lay.ring:  # overwritten while we read: start over
+                self.resync(state_of)
+                return
+            self._cursors[w] = end
+
+    def _row_copy(self, w: int) -> tuple[int, list[int]]:
+        """(write index, row) of worker ``w``, consistent with each other."""
+        q, lay = self._q, self.layout
+        base = lay.worker_at(w)
+        while True:
+            seq = q[base]
+            if seq % 2:
+                continue
+            end = q[base + 1]
+            row = list(q[base + 2 : base + 2 + lay.slots * _NF])
+            if q[base] == seq:
+                return end, row
+
+    def resync(self, state_of: Callable[[str], BackendState | None]) -> None:
+        """Rebuild this worker's counters from every worker's row (own row included)."""
+        self.num_resyncs += 1
+        totals = [0] * (self.layout.slots * _NF)
+        for w in range(self.layout.workers):
+            end, row = self._row_copy(w)
+            self._cursors[w] = end
+            for k, v in enumerate(row):
+                if v:
+                    totals[k] += v
+        for slot in range(self.layout.slots):
+            name = self._slot_name(slot) if any(totals[slot * _NF : slot * _NF + _NF]) else ""
+            if not name and slot not in self._names:
+                continue
+            name = name or self._names[slot]
+            s = state_of(name)
+            if s is not None:
+                for f, attr in enumerate(FIELDS):
+                    setattr(s, attr, totals[slot * _NF + f])
+        self._apply_drains(state_of)
+
+    def retire_predecessor(self) -> int:
+        """Publish the negation of what this worker's row still counts (a dead worker
+        that had this index); returns the number of slots retired."""
+        q, lay = self._q, self.layout
+        base = lay.worker_at(self.worker)
+        retired = 0
+        for slot in range(lay.slots):
+            row = base + 2 + slot * _NF
+            vals = tuple(q[row + f] for f in range(_NF))
+            if any(vals):
+                name = self._slot_name(slot)
+                if name:
+                    self._remember(slot, name)
+                    self.publish(name, (-vals[0], -vals[1], -vals[2]))
+                    retired += 1
+        return retired
+
+    # -- drains ----------------------------------------------------------------------
+    def set_draining(self, backend_id: str, draining: bool) -> None:
+        slot = self.slot(backend_id)
+        if slot is None:
+            return
+        with self._lock:
+            self._q[self.layout.drains_at + slot] = _DRAIN_SET if draining else _DRAIN_CLEAR
+            self._q[4] += 1
+
+    def _apply_drains(self, state_of: Callable[[str], BackendState | None]) -> None:
+        q, at = self._q, self.layout.drains_at
+        self._admin_seen = q[4]
+        for slot, flag in self._drain_flags(q, at):
+            name = self._slot_name(slot)
+            s = state_of(name) if name else None
+            if s is not None:
+                s.draining = flag == _DRAIN_SET
+
+    def _drain_flags(self, q: memoryview, at: int) -> Iterator[tuple[int, int]]:
+        for slot in range(self.layout.slots):
+            flag = q[at + slot]
+            if flag:
+                yield slot, flag

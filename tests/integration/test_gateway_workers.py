@@ -1,0 +1,172 @@
+"""``kiloserve gateway --workers 2``: two processes on one port, one exact in-flight view.
+
+Real processes and sockets: the supervisor, two workers bound with SO_REUSEPORT, two
+fake backends that hold every request. Every request and every admin read uses a
+fresh connection, so the kernel spreads them over both workers; without the shared
+view a worker reports (and routes on) only its own requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from test_gateway_fakes import FakeBackend, fake_backends
+
+pytestmark = pytest.mark.slow
+
+
+def _shm() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("psm_*")}
+
+
+def _children(pid: int) -> list[int]:
+    """The supervisor's worker processes (not its resource tracker)."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            for c in (task / "children").read_text().split():
+                cmd = Path(f"/proc/{c}/cmdline").read_bytes()
+                if b"kiloserve.gateway.workers" in cmd:
+                    out.append(int(c))
+    return out
+
+
+@contextlib.asynccontextmanager
+async def _gateway(*urls: str) -> AsyncIterator[tuple[str, asyncio.subprocess.Process]]:
+    args = [a for u in urls for a in ("--backend", u)]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kiloserve", "gateway", *args, "--workers", "2",
+        "--policy", "least_request", "--port", "0", "--log-level", "WARNING",
+        stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+        assert line.endswith("(2 workers)\n"), line
+        url = line.split(" listening on ", 1)[1].split()[0]
+        yield url, proc
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(proc.wait(), 30)
+
+
+async def _get(url: str) -> tuple[int, object]:
+    connector = aiohttp.TCPConnector(force_close=True)  # a fresh connection each time
+    async with aiohttp.ClientSession(connector=connector) as s, s.get(url) as r:
+        return r.status, (await r.json() if r.status == 200 else None)
+
+
+async def _in_flight(url: str) -> dict[str, int]:
+    status, body = await _get(url + "/admin/backends")
+    assert status == 200
+    assert isinstance(body, dict)
+    return {row["name"]: row["in_flight"] for row in body["backends"]}
+
+
+async def _until(check: object, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert callable(check)
+        if await check():
+            return
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+async def _hold(url: str, n: int, fakes: list[FakeBackend]) -> list[asyncio.Task[None]]:
+    """``n`` requests, one at a time (each is at a backend before the next is sent)."""
+
+    async def one() -> None:
+        body = {"model": "m", "prompt": "x"}
+        async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json=body):
+            pass
+
+    tasks: list[asyncio.Task[None]] = []
+    for _ in range(n):
+        before = sum(f.num_active for f in fakes)
+        tasks.append(asyncio.ensure_future(one()))
+
+        async def arrived(before: int = before) -> bool:
+            return sum(f.num_active for f in fakes) > before
+
+        await _until(arrived)
+    return tasks
+
+
+async def test_two_workers_route_and_count_as_one() -> None:
+    shm_before = _shm()
+    fakes = [FakeBackend(mode="hang"), FakeBackend(mode="hang")]
+    async with fake_backends(*fakes), _gateway(*(f.url for f in fakes)) as (url, proc):
+
+        async def ready() -> bool:
+            return all([(await _get(url + "/ready"))[0] == 200 for _ in range(6)])
+
+        await _until(ready)
+        tasks = await _hold(url, 12, fakes)
+        # least_request on the shared view alternates: 6 and 6 (each worker alone
+        # would balance only its own share)
+        assert [f.num_active for f in fakes] == [6, 6]
+        for _ in range(8):  # fresh connections: both workers answer some of these
+            assert sorted((await _in_flight(url)).values()) == [6, 6]
+
+        # a worker dies with requests in flight: its replacement retires them
+        workers = _children(proc.pid)
+        assert len(workers) == 2
+        os.kill(workers[0], signal.SIGKILL)
+
+        async def replaced() -> bool:
+            kids = _children(proc.pid)
+            return len(kids) == 2 and workers[0] not in kids
+
+        await _until(replaced)
+
+        async def exact() -> bool:
+            held = sum(f.num_active for f in fakes)
+            got = [sum((await _in_flight(url)).values()) for _ in range(6)]
+            return all(g == held for g in got) and 0 < held < 12
+
+        await _until(exact)
+
+        for t in tasks:  # the clients go away: every count returns to zero
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+        async def drained() -> bool:
+            got = [sum((await _in_flight(url)).values()) for _ in range(6)]
+            return got == [0] * 6 and sum(f.num_active for f in fakes) == 0
+
+        await _until(drained)
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+    assert _shm() <= shm_before  # the segment is gone
+
+
+async def test_a_drain_sent_to_one_worker_holds_on_all() -> None:
+    fakes = [FakeBackend(), FakeBackend()]
+    async with fake_backends(*fakes), _gateway(*(f.url for f in fakes)) as (url, _):
+
+        async def ready() -> bool:
+            return all([(await _get(url + "/ready"))[0] == 200 for _ in range(6)])
+
+        await _until(ready)
+        drain = url + f"/admin/backends/{fakes[1].url}/drain"
+        async with aiohttp.ClientSession() as s, s.post(drain) as r:
+            assert r.status == 200, await r.text()
+        for _ in range(10):  # fresh connections: both workers serve some of these
+            connector = aiohttp.TCPConnector(force_close=True)
+            async with (
+                aiohttp.ClientSession(connector=connector) as s,
+                s.post(url + "/v1/completions", json={"model": "m"}) as r,
+            ):
+                assert r.status == 200
+                assert r.headers["x-kiloserve-backend"] == fakes[0].url

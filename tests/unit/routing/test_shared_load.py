@@ -1,0 +1,143 @@
+"""The workers' shared in-flight view (routing/shared_load.py), two handles in one process."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from kiloserve.policies.base import BackendState, Outcome, RequestInfo
+from kiloserve.routing.config import BackendConfig
+from kiloserve.routing.shared_load import LoadLayout, SharedLoad
+from kiloserve.routing.table import BackendTable
+
+
+@dataclass
+class _Settings:
+    backends: list[BackendConfig]
+    stale_after_s: float = 1.0
+    max_scrape_failures: int = 3
+
+
+def _table(*names: str) -> BackendTable:
+    cfgs = [BackendConfig(url=f"http://127.0.0.1:{9000 + i}", name=n, models=["m"])
+            for i, n in enumerate(names)]  # fmt: skip
+    return BackendTable(_Settings(cfgs))
+
+
+_OPEN: list[SharedLoad] = []
+
+
+@pytest.fixture
+def segment() -> Iterator[SharedLoad]:
+    owner = SharedLoad.create(LoadLayout(workers=2, slots=8, ring=16))
+    yield owner
+    while _OPEN:
+        _OPEN.pop().close()
+    owner.close()
+
+
+def _attach(segment: SharedLoad, index: int) -> SharedLoad:
+    load = SharedLoad.attach(segment.name, index)
+    _OPEN.append(load)
+    return load
+
+
+def _worker(segment: SharedLoad, index: int, table: BackendTable) -> SharedLoad:
+    load = _attach(segment, index)
+    table.shared = load
+    load.resync(table.state_or_none)
+    return load
+
+
+def _info(tokens: int = 100, out: int = 10) -> RequestInfo:
+    return RequestInfo("r", model="m", input_tokens=tokens, predicted_output_tokens=out)
+
+
+def _load(s: BackendState) -> tuple[int, int, int]:
+    return s.in_flight, s.outstanding_prefill_tokens, s.outstanding_decode_tokens
+
+
+def test_each_worker_sees_the_others_in_flight(segment: SharedLoad) -> None:
+    t0, t1 = _table("a", "b"), _table("a", "b")
+    _worker(segment, 0, t0)
+    _worker(segment, 1, t1)
+    for _ in range(3):
+        t0.on_dispatch("a", _info())
+    t1.on_dispatch("a", _info(50, 5))
+    t1.on_dispatch("b", _info())
+    t0.sync()
+    t1.sync()
+    for t in (t0, t1):
+        assert _load(t.state("a")) == (4, 350, 35)
+        assert _load(t.state("b")) == (1, 100, 10)
+    t0.on_first_token("a", _info(), 20.0)
+    t0.on_complete("a", _info(), Outcome(ok=True), had_first_token=True)
+    t1.on_complete("b", _info(), Outcome(ok=False), had_first_token=False)
+    t0.sync()
+    t1.sync()
+    for t in (t0, t1):
+        assert _load(t.state("a")) == (3, 250, 25)
+        assert _load(t.state("b")) == (0, 0, 0)
+    # learned speeds stay per worker
+    assert t0.state("a").num_ttft_samples == 1 and t1.state("a").num_ttft_samples == 0
+
+
+def test_a_reader_more_than_a_ring_behind_rebuilds_from_the_rows(segment: SharedLoad) -> None:
+    t0, t1 = _table("a"), _table("a")
+    _worker(segment, 0, t0)
+    w1 = _worker(segment, 1, t1)
+    for _ in range(40):  # 40 x 3 ring entries through a 16-entry ring
+        t0.on_dispatch("a", _info())
+    t1.sync()
+    assert _load(t1.state("a")) == (40, 4000, 400)
+    assert w1.num_resyncs >= 2  # attach + overflow
+
+
+def test_a_replacement_worker_retires_what_the_dead_one_counted(segment: SharedLoad) -> None:
+    t0, t1 = _table("a"), _table("a")
+    _worker(segment, 0, t0)
+    w1 = _worker(segment, 1, t1)
+    t1.on_dispatch("a", _info())
+    t1.on_dispatch("a", _info())
+    t0.on_dispatch("a", _info())
+    t0.sync()
+    assert t0.state("a").in_flight == 3
+    _OPEN.remove(w1)
+    w1.close()  # worker 1 dies with two requests in flight
+    t1b = _table("a")
+    w1b = _attach(segment, 1)
+    assert w1b.retire_predecessor() == 1
+    t1b.shared = w1b
+    w1b.resync(t1b.state_or_none)
+    t0.sync()
+    assert _load(t0.state("a")) == (1, 100, 10)
+    assert _load(t1b.state("a")) == (1, 100, 10)
+
+
+def test_drains_reach_every_worker(segment: SharedLoad) -> None:
+    t0, t1 = _table("a", "b"), _table("a", "b")
+    _worker(segment, 0, t0)
+    _worker(segment, 1, t1)
+    t0.set_draining("b", True)
+    t1.sync()
+    assert t1.state("b").draining and not t1.state("a").draining
+    t1.set_draining("b", False)
+    t0.sync()
+    assert not t0.state("b").draining
+
+
+def test_a_backend_added_later_gets_what_peers_already_count(segment: SharedLoad) -> None:
+    t0, t1 = _table("a", "late"), _table("a")
+    _worker(segment, 0, t0)
+    _worker(segment, 1, t1)
+    t0.on_dispatch("late", _info())
+    t1.sync()  # worker 1 does not know "late" yet
+    t1.add_backend(BackendConfig(url="http://127.0.0.1:9100", name="late", models=["m"]))
+    assert _load(t1.state("late")) == (1, 100, 10)
+
+
+def test_attach_rejects_a_foreign_segment_and_a_bad_index(segment: SharedLoad) -> None:
+    with pytest.raises(ValueError, match="outside"):
+        SharedLoad.attach(segment.name, 2)
