@@ -41,8 +41,12 @@ def _children(pid: int) -> list[int]:
 
 
 @contextlib.asynccontextmanager
-async def _gateway(*urls: str) -> AsyncIterator[tuple[str, asyncio.subprocess.Process]]:
+async def _gateway(
+    *urls: str, config: Path | None = None
+) -> AsyncIterator[tuple[str, asyncio.subprocess.Process]]:
     args = [a for u in urls for a in ("--backend", u)]
+    if config is not None:
+        args += ["-c", str(config)]
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kiloserve", "gateway", *args, "--workers", "2",
         "--policy", "least_request", "--port", "0", "--log-level", "WARNING",
@@ -170,3 +174,35 @@ async def test_a_drain_sent_to_one_worker_holds_on_all() -> None:
             ):
                 assert r.status == 200
                 assert r.headers["x-kiloserve-backend"] == fakes[0].url
+
+
+async def test_admission_is_one_budget_across_workers(tmp_path: Path) -> None:
+    """``max_in_flight_per_backend: 2`` holds for the gateway, not for each worker."""
+    conf = tmp_path / "gw.yaml"
+    conf.write_text("admission: {enabled: true, capacity: {max_in_flight_per_backend: 2}}\n")
+    fake = FakeBackend(mode="hang")
+    async with fake_backends(fake), _gateway(fake.url, config=conf) as (url, _):
+
+        async def ready() -> bool:
+            return all([(await _get(url + "/ready"))[0] == 200 for _ in range(6)])
+
+        await _until(ready)
+
+        async def one() -> None:
+            connector = aiohttp.TCPConnector(force_close=True)
+            body = {"model": "m", "prompt": "x"}
+            async with (
+                aiohttp.ClientSession(connector=connector) as s,
+                s.post(url + "/v1/completions", json=body),
+            ):
+                pass
+
+        tasks = []
+        for _ in range(8):  # fresh connections: both workers get some
+            tasks.append(asyncio.ensure_future(one()))
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1.0)
+        assert fake.num_active == 2  # the rest wait in the workers' queues
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -115,6 +115,12 @@ class BackendState:
     ewma_prefill_work_tokens: float | None = None
     num_ttft_samples: int = 0  # first tokens seen (the learned speed needs a few)
     consecutive_errors: int = 0
+    # the live admission controller's grants here (gateway/admission/controller.py):
+    # requests granted and not done, the KV tokens they reserved, and the part of it
+    # not yet sent (the engine's own counters do not show it yet)
+    admitted_in_flight: int = 0
+    reserved_tokens: int = 0
+    undispatched_tokens: int = 0
 
     @property
     def is_routable(self) -> bool:

@@ -2,7 +2,9 @@
 
 Each worker routes on a ``BackendTable`` of its own; what must agree across workers
 is the load the gateway itself put on each backend: requests in flight and the prefill
-and decode tokens they still owe (``policies.accounting``), and the operator's drains.
+and decode tokens they still owe (``policies.accounting``), the admission controller's
+grants and KV reservations (so a pool's capacity is one budget for all workers), and
+the operator's drains.
 They live in one shared-memory segment (``multiprocessing.shared_memory``):
 
 * a **name table**: slot -> backend id, claimed once per backend under a lock;
@@ -24,8 +26,9 @@ retires what the dead one still counted (its row, published as negative changes)
 requests that died with it stop counting everywhere.
 
 What stays per worker: learned speeds (EWMAs), health, ejections and scrapes (each
-worker scrapes the engines itself), the approximate prefix index and the admission
-queue; see docs/gateway.md ("Workers").
+worker scrapes the engines itself), the approximate prefix index, and the admission
+queues (each worker queues its own requests against the shared budget: waiters are
+released on the worker's own completions and ticks); see docs/gateway.md ("Workers").
 """
 
 from __future__ import annotations
@@ -46,8 +49,16 @@ __all__ = ["FIELDS", "FileLock", "LoadLayout", "SharedLoad"]
 
 logger = logging.getLogger(__name__)
 
-# the shared counters, in row order (BackendState attributes)
-FIELDS = ("in_flight", "outstanding_prefill_tokens", "outstanding_decode_tokens")
+# the shared counters, in row order (BackendState attributes): the accounting's, then
+# the admission controller's
+FIELDS = (
+    "in_flight",
+    "outstanding_prefill_tokens",
+    "outstanding_decode_tokens",
+    "admitted_in_flight",
+    "reserved_tokens",
+    "undispatched_tokens",
+)
 _NF = len(FIELDS)
 _MAGIC = 0x4B494C4F4C4F4144  # "KILOLOAD"
 _HEADER = 8  # words: magic, workers, slots, ring, admin version, spare
@@ -243,7 +254,7 @@ class SharedLoad:
         return got
 
     # -- this worker's changes (hot path) --------------------------------------------
-    def publish(self, backend_id: str, deltas: tuple[int, int, int]) -> None:
+    def publish(self, backend_id: str, deltas: tuple[int, ...]) -> None:
         """Record this worker's change of ``FIELDS`` for a backend (zeros skipped)."""
         slot = self._slots.get(backend_id)
         if slot is None:
@@ -345,7 +356,7 @@ class SharedLoad:
                 name = self._slot_name(slot)
                 if name:
                     self._remember(slot, name)
-                    self.publish(name, (-vals[0], -vals[1], -vals[2]))
+                    self.publish(name, tuple(-v for v in vals))
                     retired += 1
         return retired
 

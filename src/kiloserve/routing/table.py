@@ -107,7 +107,7 @@ class LoadShare(Protocol):
     the gateway's worker processes). The table publishes the exact change its own
     accounting made; ``pull`` adds the peers' changes to the table's states."""
 
-    def publish(self, backend_id: str, deltas: tuple[int, int, int]) -> None: ...
+    def publish(self, backend_id: str, deltas: tuple[int, ...]) -> None: ...
 
     def pull(self, state_of: Callable[[str], BackendState | None]) -> None: ...
 
@@ -116,8 +116,16 @@ class LoadShare(Protocol):
     def set_draining(self, backend_id: str, draining: bool) -> None: ...
 
 
-def _load(s: BackendState) -> tuple[int, int, int]:
-    return s.in_flight, s.outstanding_prefill_tokens, s.outstanding_decode_tokens
+def _load(s: BackendState) -> tuple[int, int, int, int, int, int]:
+    """The counters shared with peer routers (``routing.shared_load.FIELDS``)."""
+    return (
+        s.in_flight,
+        s.outstanding_prefill_tokens,
+        s.outstanding_decode_tokens,
+        s.admitted_in_flight,
+        s.reserved_tokens,
+        s.undispatched_tokens,
+    )
 
 
 class BackendTable:
@@ -257,9 +265,23 @@ class BackendTable:
         if rec.is_removing and rec.state.in_flight == 0:
             self._delete(backend_id)
 
-    def _publish(self, state: BackendState, before: tuple[int, int, int]) -> None:
+    def adjust_admission(
+        self, backend_id: str, *, in_flight: int = 0, reserved: int = 0, undispatched: int = 0
+    ) -> None:
+        """Change the admission controller's counts for a backend (never below zero)."""
+        s = self.state_or_none(backend_id)
+        if s is None:
+            return
+        before = _load(s)
+        s.admitted_in_flight = max(0, s.admitted_in_flight + in_flight)
+        s.reserved_tokens = max(0, s.reserved_tokens + reserved)
+        s.undispatched_tokens = max(0, s.undispatched_tokens + undispatched)
+        if self.shared is not None:
+            self._publish(s, before)
+
+    def _publish(self, state: BackendState, before: tuple[int, ...]) -> None:
         after = _load(state)
-        deltas = (after[0] - before[0], after[1] - before[1], after[2] - before[2])
+        deltas = tuple(a - b for a, b in zip(after, before, strict=True))
         if self.shared is not None and any(deltas):
             self.shared.publish(state.backend_id, deltas)
 

@@ -116,6 +116,20 @@ def test_a_replacement_worker_retires_what_the_dead_one_counted(segment: SharedL
     assert _load(t1b.state("a")) == (1, 100, 10)
 
 
+def test_admission_grants_are_one_budget(segment: SharedLoad) -> None:
+    t0, t1 = _table("a"), _table("a")
+    _worker(segment, 0, t0)
+    _worker(segment, 1, t1)
+    t0.adjust_admission("a", in_flight=1, reserved=500, undispatched=500)
+    t1.adjust_admission("a", in_flight=1, reserved=300, undispatched=300)
+    t0.adjust_admission("a", undispatched=-500)
+    t0.sync()
+    t1.sync()
+    for t in (t0, t1):
+        s = t.state("a")
+        assert (s.admitted_in_flight, s.reserved_tokens, s.undispatched_tokens) == (2, 800, 300)
+
+
 def test_drains_reach_every_worker(segment: SharedLoad) -> None:
     t0, t1 = _table("a", "b"), _table("a", "b")
     _worker(segment, 0, t0)

@@ -102,9 +102,9 @@ class AdmissionController:
         self.router = router
         self.table: BackendTable = router.table
         self.queues: dict[str, PoolQueue] = {}
-        self.reserved_tokens: dict[str, int] = {}
-        self.num_in_flight: dict[str, int] = {}
-        self.undispatched_tokens: dict[str, int] = {}  # granted, not yet sent (scraped mode)
+        # grants, reservations and the granted-not-yet-sent part live on the backend's
+        # state (BackendState.admitted_in_flight, reserved_tokens, undispatched_tokens),
+        # so the workers of one gateway share them (routing/shared_load.py)
         self.metrics = AdmissionMetrics(self)
         self._infos: dict[int, RequestInfo] = {}
 
@@ -112,16 +112,16 @@ class AdmissionController:
     def _roomy(self, model: str, need_tokens: int, is_short: bool) -> set[str]:
         cap = self.cfg.capacity
         out: set[str] = set()
+        self.table.sync()  # the other workers' grants (routing/shared_load.py)
         for bid in self.table.pool_ids(model):
             s = self.table.state(bid)
             if not s.is_routable:
                 continue
             growth = int(s.outstanding_decode_tokens * cap.decode_growth_frac)
-            pending = s.outstanding_prefill_tokens + growth + self.undispatched_tokens.get(bid, 0)
+            pending = s.outstanding_prefill_tokens + growth + s.undispatched_tokens
             room = has_room(
-                s, cap, need_tokens, self.reserved_tokens.get(bid, 0),
-                self.num_in_flight.get(bid, 0), pending, is_short,
-            )  # fmt: skip
+                s, cap, need_tokens, s.reserved_tokens, s.admitted_in_flight, pending, is_short
+            )
             if room.is_free:
                 out.add(bid)
         return out
@@ -139,9 +139,9 @@ class AdmissionController:
             ordered = sorted(roomy)  # the policy ranked none of them (e.g. it filters)
         rest = [b for b in ranked if b not in roomy]
         bid = ordered[0]
-        self.reserved_tokens[bid] = self.reserved_tokens.get(bid, 0) + need_tokens
-        self.num_in_flight[bid] = self.num_in_flight.get(bid, 0) + 1
-        self.undispatched_tokens[bid] = self.undispatched_tokens.get(bid, 0) + need_tokens
+        self.table.adjust_admission(
+            bid, in_flight=1, reserved=need_tokens, undispatched=need_tokens
+        )
         return Admission(
             tuple(ordered + rest), bid, need_tokens, cached_blocks=decision.cached_blocks
         )
@@ -150,9 +150,7 @@ class AdmissionController:
         """The proxy is sending it now: the backend's own counters take over."""
         if not adm.is_dispatched:
             adm.is_dispatched = True
-            bid = adm.backend_id
-            left = self.undispatched_tokens.get(bid, 0) - adm.need_tokens
-            self.undispatched_tokens[bid] = max(0, left)
+            self.table.adjust_admission(adm.backend_id, undispatched=-adm.need_tokens)
 
     def done(self, adm: Admission) -> None:
         """The request ended: give back its reservation and release waiters."""
@@ -161,9 +159,7 @@ class AdmissionController:
 
     def _unreserve(self, adm: Admission) -> None:
         self.dispatched(adm)
-        bid = adm.backend_id
-        self.reserved_tokens[bid] = max(0, self.reserved_tokens.get(bid, 0) - adm.need_tokens)
-        self.num_in_flight[bid] = max(0, self.num_in_flight.get(bid, 0) - 1)
+        self.table.adjust_admission(adm.backend_id, in_flight=-1, reserved=-adm.need_tokens)
 
     # -- queueing ------------------------------------------------------------------
     def _queue(self, model: str) -> PoolQueue:
