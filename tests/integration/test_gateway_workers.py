@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
 import signal
 import sys
@@ -206,3 +207,33 @@ async def test_admission_is_one_budget_across_workers(tmp_path: Path) -> None:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_rate_limits_hold_for_the_gateway_not_per_worker(tmp_path: Path) -> None:
+    """A key's ``max_requests_per_min: 6``: six requests pass in all, whichever worker
+    each connection lands on (each worker alone would let six through)."""
+    conf = tmp_path / "gw.yaml"
+    digest = hashlib.sha256(b"sk-k").hexdigest()
+    conf.write_text(
+        f"auth: {{keys: [{{name: k, key_sha256: '{digest}', max_requests_per_min: 6}}]}}\n"
+    )
+    fake = FakeBackend()
+    async with fake_backends(fake), _gateway(fake.url, config=conf) as (url, _):
+
+        async def ready() -> bool:
+            return all([(await _get(url + "/ready"))[0] == 200 for _ in range(6)])
+
+        await _until(ready)
+        statuses = []
+        for _ in range(12):  # fresh connections: both workers serve some
+            connector = aiohttp.TCPConnector(force_close=True)
+            async with (
+                aiohttp.ClientSession(connector=connector) as s,
+                s.post(
+                    url + "/v1/completions",
+                    json={"model": "m", "max_tokens": 1},
+                    headers={"Authorization": "Bearer sk-k"},
+                ) as r,
+            ):
+                statuses.append(r.status)
+        assert sorted(statuses) == [200] * 6 + [429] * 6, statuses

@@ -16,6 +16,8 @@ import sys
 
 from aiohttp import web
 
+from kiloserve.gateway.admission.gate import FLOW_KEY
+from kiloserve.gateway.admission.ratelimit import LocalLimiter, SharedLimiter
 from kiloserve.gateway.app import TABLE_KEY, create_gateway_app, make_runner
 from kiloserve.gateway.config import (
     BackendConfig,
@@ -25,7 +27,7 @@ from kiloserve.gateway.config import (
     parse_gateway_config,
 )
 from kiloserve.gateway.loop import LoopError, loop_factory
-from kiloserve.routing.table import LoadShare
+from kiloserve.routing.shared_load import SharedLoad
 
 __all__ = ["add_arguments", "build_config", "run", "serve"]
 
@@ -83,7 +85,7 @@ async def serve(
     cfg: GatewayConfig,
     stop: asyncio.Event | None = None,
     *,
-    shared: LoadShare | None = None,
+    shared: SharedLoad | None = None,
     worker: int | None = None,
 ) -> None:
     """Serve until ``stop`` is set (or SIGINT / SIGTERM).
@@ -106,6 +108,9 @@ async def serve(
         table = app[TABLE_KEY]
         table.shared = shared
         shared.resync(table.state_or_none)
+        flow = app.get(FLOW_KEY)
+        if flow is not None and isinstance(flow.limiter, LocalLimiter):
+            flow.limiter = SharedLimiter(shared)  # one set of buckets for all workers
     runner = make_runner(app, cfg, shutdown_timeout=cfg.shutdown_grace_s)
     await runner.setup()
     try:
@@ -124,7 +129,7 @@ async def serve(
 
 
 def run_one(
-    cfg: GatewayConfig, *, shared: LoadShare | None = None, worker: int | None = None
+    cfg: GatewayConfig, *, shared: SharedLoad | None = None, worker: int | None = None
 ) -> None:
     """Serve ``cfg`` in this process on the configured event loop (gateway/loop.py)."""
     factory, name = loop_factory(cfg.event_loop)

@@ -34,10 +34,11 @@ released on the worker's own completions and ticks); see docs/gateway.md ("Worke
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 from typing import TYPE_CHECKING
@@ -61,7 +62,7 @@ FIELDS = (
 )
 _NF = len(FIELDS)
 _MAGIC = 0x4B494C4F4C4F4144  # "KILOLOAD"
-_HEADER = 8  # words: magic, workers, slots, ring, admin version, spare
+_HEADER = 8  # words: magic, workers, slots, ring, admin version, bucket bytes, spare
 _NAME_BYTES = 248
 _NAME_WORDS = 1 + _NAME_BYTES // 8  # length word + utf-8 bytes
 _ENTRY = 3  # slot, field, delta
@@ -76,6 +77,7 @@ class LoadLayout:
     workers: int
     slots: int = 4096
     ring: int = 65536
+    bucket_bytes: int = 1 << 20  # the rate-limit buckets (JSON, under the lock)
 
     @property
     def names_at(self) -> int:
@@ -97,8 +99,12 @@ class LoadLayout:
         return self.workers_at + w * self.worker_words
 
     @property
-    def words(self) -> int:
+    def buckets_at(self) -> int:
         return self.workers_at + self.workers * self.worker_words
+
+    @property
+    def words(self) -> int:
+        return self.buckets_at + 1 + self.bucket_bytes // 8
 
 
 def _buf(shm: shared_memory.SharedMemory) -> memoryview:
@@ -167,6 +173,7 @@ class SharedLoad:
         _CREATED.add(shm.name)
         q = _buf(shm).cast("q")
         q[1], q[2], q[3] = layout.workers, layout.slots, layout.ring
+        q[5] = layout.bucket_bytes
         q[0] = _MAGIC
         q.release()
         return cls(shm, layout, -1, lock, owner=True)
@@ -185,7 +192,7 @@ class SharedLoad:
             q.release()
             shm.close()
             raise ValueError(f"shared memory {name!r} is not a kiloserve load segment")
-        layout = LoadLayout(workers=q[1], slots=q[2], ring=q[3])
+        layout = LoadLayout(workers=q[1], slots=q[2], ring=q[3], bucket_bytes=q[5])
         q.release()
         if not 0 <= worker < layout.workers:
             shm.close()
@@ -359,6 +366,26 @@ class SharedLoad:
                     self.publish(name, tuple(-v for v in vals))
                     retired += 1
         return retired
+
+    # -- rate-limit buckets ----------------------------------------------------------
+    @contextmanager
+    def buckets(self) -> Iterator[dict[str, list[float]]]:
+        """Every worker's rate-limit buckets (``key -> [level, updated_s, capacity]``), under the
+        lock: changes to the dict are written back when the block ends. Times are
+        ``time.monotonic()``, one clock for every process of the host."""
+        at = self.layout.buckets_at
+        with self._lock:
+            n = self._q[at]
+            raw = bytes(self._raw[(at + 1) * 8 : (at + 1) * 8 + n]) if n > 0 else b"{}"
+            got: dict[str, list[float]] = json.loads(raw)
+            yield got
+            out = json.dumps(got, separators=(",", ":")).encode()
+            if len(out) > self.layout.bucket_bytes:
+                logger.warning("shared rate-limit buckets over %d bytes: starting afresh",
+                               self.layout.bucket_bytes)  # fmt: skip
+                out = b"{}"
+            self._raw[(at + 1) * 8 : (at + 1) * 8 + len(out)] = out
+            self._q[at] = len(out)
 
     # -- drains ----------------------------------------------------------------------
     def set_draining(self, backend_id: str, draining: bool) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from kiloserve.gateway.admission.ratelimit import Quota, SharedLimiter
 from kiloserve.policies.base import BackendState, Outcome, RequestInfo
 from kiloserve.routing.config import BackendConfig
 from kiloserve.routing.shared_load import LoadLayout, SharedLoad
@@ -155,3 +156,11 @@ def test_a_backend_added_later_gets_what_peers_already_count(segment: SharedLoad
 def test_attach_rejects_a_foreign_segment_and_a_bad_index(segment: SharedLoad) -> None:
     with pytest.raises(ValueError, match="outside"):
         SharedLoad.attach(segment.name, 2)
+
+
+async def test_rate_limit_buckets_are_shared(segment: SharedLoad) -> None:
+    a, b = SharedLimiter(_attach(segment, 0)), SharedLimiter(_attach(segment, 1))
+    quota = Quota("k", max_requests_per_min=4, max_tokens_per_min=None)
+    got = [await (a if i % 2 else b).acquire(quota, 1, 100.0) for i in range(6)]
+    assert [w == 0.0 for w in got] == [True] * 4 + [False] * 2
+    assert got[-1] == pytest.approx(15.0)  # one request a minute / 4

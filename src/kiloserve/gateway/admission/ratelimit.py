@@ -16,6 +16,7 @@ Two stores with the same interface:
 from __future__ import annotations
 
 import hashlib
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -27,6 +28,7 @@ __all__ = [
     "RateLimitConfig",
     "RateLimiter",
     "RedisLimiter",
+    "SharedLimiter",
     "TokenBucket",
     "create_limiter",
 ]
@@ -212,6 +214,46 @@ class RedisLimiter:
 def hashed_name(name: str) -> str:
     """Key names in Redis are hashed too (no tenant names in a shared store)."""
     return hashlib.sha256(name.encode()).hexdigest()[:16]
+
+
+class BucketStore(Protocol):
+    """Buckets shared by processes (``routing.shared_load.SharedLoad.buckets``)."""
+
+    def buckets(self) -> AbstractContextManager[dict[str, list[float]]]: ...
+
+
+class SharedLimiter(LocalLimiter):
+    """``LocalLimiter``'s buckets kept in a store the gateway's workers share
+    (``--workers N``): each acquire loads the key's buckets, decides as the local
+    limiter does and writes them back, under the store's lock, so a key's limits hold
+    for the whole gateway whichever worker its connections land on."""
+
+    def __init__(self, store: BucketStore) -> None:
+        super().__init__()
+        self._store = store
+
+    def _load(self, stored: dict[str, list[float]]) -> None:
+        self._buckets.clear()
+        for key, (level, updated_s, capacity) in stored.items():
+            name, kind = key.rsplit("\0", 1)
+            self._buckets[(name, kind)] = TokenBucket(capacity, capacity / 60.0, level, updated_s)
+
+    def _save(self, stored: dict[str, list[float]]) -> None:
+        for (name, kind), b in self._buckets.items():
+            stored[f"{name}\0{kind}"] = [b.level, b.updated_s, b.capacity]
+
+    def acquire_now(self, quota: Quota, tokens: int, now_s: float) -> float:
+        with self._store.buckets() as stored:
+            self._load(stored)
+            wait = super().acquire_now(quota, tokens, now_s)
+            self._save(stored)
+        return wait
+
+    async def reconcile(self, quota: Quota, delta_tokens: int, now_s: float) -> None:
+        with self._store.buckets() as stored:
+            self._load(stored)
+            await super().reconcile(quota, delta_tokens, now_s)
+            self._save(stored)
 
 
 def create_limiter(cfg: RateLimitConfig) -> RateLimiter:
