@@ -60,6 +60,7 @@ from kiloserve.gateway.heap import load_malloc_trim, trim_loop
 from kiloserve.gateway.kvevents import KvEventSubscriber
 from kiloserve.gateway.limits import BodyBudget, accept_error_filter, make_runner
 from kiloserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from kiloserve.gateway.peers import install_peers
 from kiloserve.gateway.profile import Profiler
 from kiloserve.gateway.proxy import ProxyContext, forward
 from kiloserve.gateway.registry.watch import start_registry
@@ -555,6 +556,9 @@ def create_gateway_app(cfg: GatewayConfig, *, policy: Policy | None = None) -> w
     )
     add_dashboard_routes(app, ctx, app[RESILIENCE_KEY].describe)
     install_flow_control(app, ctx, cfg)
+    peers_url = cfg.peers_redis_url()
+    if cfg.peers.enabled and peers_url is not None:  # gateway/peers.py
+        install_peers(app, cfg.peers, peers_url, table, gw_metrics.registry)
     app.on_startup.append(_on_startup)
     app.on_cleanup.append(_on_cleanup)
     return app

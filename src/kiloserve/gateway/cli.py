@@ -27,6 +27,7 @@ from kiloserve.gateway.config import (
     parse_gateway_config,
 )
 from kiloserve.gateway.loop import LoopError, loop_factory
+from kiloserve.gateway.peers import PEERS_KEY
 from kiloserve.routing.shared_load import SharedLoad
 
 __all__ = ["add_arguments", "build_config", "run", "serve"]
@@ -106,8 +107,12 @@ async def serve(
     app = create_gateway_app(cfg)
     if shared is not None:
         table = app[TABLE_KEY]
-        table.shared = shared
-        shared.resync(table.state_or_none)
+        peers = app.get(PEERS_KEY)
+        if peers is not None:  # other gateways through Redis, siblings through memory
+            peers.join_workers(shared, instance=shared.name)
+        else:
+            table.shared = shared
+        shared.resync(table.state_or_none)  # the siblings' counts (no peers yet)
         flow = app.get(FLOW_KEY)
         if flow is not None and isinstance(flow.limiter, LocalLimiter):
             flow.limiter = SharedLimiter(shared)  # one set of buckets for all workers

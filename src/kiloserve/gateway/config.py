@@ -26,6 +26,7 @@ from kiloserve.gateway.admission.queue import AdmissionConfig
 from kiloserve.gateway.admission.ratelimit import RateLimitConfig
 from kiloserve.gateway.dashboard_state import DashboardConfig
 from kiloserve.gateway.migrate import MigrationConfig
+from kiloserve.gateway.peers import PeerConfig
 from kiloserve.gateway.registry.settings import RegistryConfig
 from kiloserve.gateway.resilience.demotion import DemotionConfig
 from kiloserve.gateway.resilience.health import HealthConfig
@@ -115,6 +116,8 @@ class GatewayConfig(_Strict):
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     rate_limit: RateLimitConfig = Field(default_factory=RateLimitConfig)
+    # gateways that share their in-flight view through Redis (gateway/peers.py)
+    peers: PeerConfig = Field(default_factory=PeerConfig)
     dashboard: DashboardConfig = Field(default_factory=DashboardConfig)  # docs/dashboard.md
     # fault tolerance (docs/fault-tolerance.md)
     health: HealthConfig = Field(default_factory=HealthConfig)
@@ -146,6 +149,16 @@ class GatewayConfig(_Strict):
         if dupes:
             raise ValueError(f"duplicate backend names/urls: {dupes}")
         return self
+
+    @model_validator(mode="after")
+    def _peers_need_redis(self) -> GatewayConfig:
+        if self.peers.enabled and not self.peers_redis_url():
+            raise ValueError("peers.enabled needs peers.redis_url (or rate_limit.redis_url)")
+        return self
+
+    def peers_redis_url(self) -> str | None:
+        """Where the peer channel lives: ``peers.redis_url``, else the rate limits' Redis."""
+        return self.peers.redis_url or self.rate_limit.redis_url
 
     def effective_admin_token(self) -> str | None:
         """``admin_token`` from the file, else the ``KILOSERVE_ADMIN_TOKEN`` env var."""

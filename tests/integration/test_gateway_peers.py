@@ -1,0 +1,132 @@
+"""Gateways that act as one: two ``kiloserve gateway`` processes share their in-flight
+view through a real ``redis-server`` (``peers: {enabled: true}``), and each falls back
+to its own view when Redis goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import aiohttp
+import pytest
+from test_gateway_fakes import FakeBackend, fake_backends
+from test_ratelimit_redis import REDIS, redis_url  # noqa: F401 - the fixture
+
+from kiloserve.routing.engine_metrics import parse_samples
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(REDIS is None, reason="redis-server not installed"),
+]
+
+
+@contextlib.asynccontextmanager
+async def _gateway(conf: Path, *urls: str) -> AsyncIterator[str]:
+    args = [a for u in urls for a in ("--backend", u)]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kiloserve", "gateway", "-c", str(conf), *args,
+        "--policy", "least_request", "--port", "0", "--log-level", "WARNING",
+        stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+        yield line.strip().rsplit(" ", 1)[-1]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(proc.wait(), 40)
+
+
+async def _json(url: str) -> dict[str, object]:
+    async with aiohttp.ClientSession() as s, s.get(url) as r:
+        assert r.status == 200
+        body = await r.json()
+        assert isinstance(body, dict)
+        return body
+
+
+async def _in_flight(gw: str) -> int:
+    rows = (await _json(gw + "/admin/backends"))["backends"]
+    assert isinstance(rows, list)
+    return sum(int(r["in_flight"]) for r in rows)
+
+
+async def _metric(gw: str, name: str) -> float:
+    async with aiohttp.ClientSession() as s, s.get(gw + "/metrics") as r:
+        text = await r.text()
+    return sum(v for n, _, v in parse_samples(text) if n == name)
+
+
+async def _until(check: Callable[[], Awaitable[bool]], timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+async def test_two_gateways_count_as_one_and_fall_back_without_redis(
+    redis_url: str,  # noqa: F811 - the fixture
+    tmp_path: Path,
+) -> None:
+    conf = tmp_path / "gw.yaml"
+    conf.write_text(f"peers: {{enabled: true, redis_url: '{redis_url}'}}\n")
+    fakes = [FakeBackend(mode="hang"), FakeBackend(mode="hang")]
+    async with (
+        fake_backends(*fakes),
+        _gateway(conf, *(f.url for f in fakes)) as g1,
+        _gateway(conf, *(f.url for f in fakes)) as g2,
+    ):
+
+        async def peered() -> bool:
+            return all([await _metric(g, "kiloserve_gateway_peers") == 1 for g in (g1, g2)])
+
+        await _until(peered)
+        tasks: list[asyncio.Task[None]] = []
+
+        async def one(gw: str) -> None:
+            body = {"model": "m", "prompt": "x"}
+            async with aiohttp.ClientSession() as s, s.post(gw + "/v1/completions", json=body):
+                pass
+
+        for gw in (g1, g1, g1, g2, g2):  # one at a time: each sees the ones before
+            before = sum(f.num_active for f in fakes)
+            tasks.append(asyncio.ensure_future(one(gw)))
+
+            async def arrived(before: int = before) -> bool:
+                return sum(f.num_active for f in fakes) > before
+
+            await _until(arrived)
+            await asyncio.sleep(0.1)  # the flush (10 ms) and a margin
+        # least_request on the shared view: 3 and 2 across the backends, not 2+1 and 1+1
+        assert sorted(f.num_active for f in fakes) == [2, 3]
+
+        async def shared() -> bool:
+            return [await _in_flight(g1), await _in_flight(g2)] == [5, 5]
+
+        await _until(shared, 5.0)
+        assert await _metric(g1, "kiloserve_gateway_peers_connected") == 1
+
+        # Redis goes away: each gateway falls back to its own requests, and says so
+        redis_port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+        async with aiohttp.ClientSession():
+            pass
+        proc_kill = await asyncio.create_subprocess_exec(
+            "redis-cli", "-p", str(redis_port), "shutdown", "nosave",
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+        )  # fmt: skip
+        await proc_kill.wait()
+
+        async def own_view() -> bool:
+            return [await _in_flight(g1), await _in_flight(g2)] == [3, 2] and all(
+                [await _metric(g, "kiloserve_gateway_peers_connected") == 0 for g in (g1, g2)]
+            )
+
+        await _until(own_view, 10.0)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

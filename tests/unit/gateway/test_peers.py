@@ -1,0 +1,132 @@
+"""Gateways that act as one (gateway/peers.py): the view logic, messages passed by hand."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import orjson
+
+from kiloserve.gateway.peers import PeerConfig, PeerLoad
+from kiloserve.policies.base import Outcome, RequestInfo
+from kiloserve.routing.config import BackendConfig
+from kiloserve.routing.table import BackendTable
+
+
+@dataclass
+class _Settings:
+    backends: list[BackendConfig]
+    stale_after_s: float = 1.0
+    max_scrape_failures: int = 3
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _gateway(clock: _Clock, instance: str) -> tuple[BackendTable, PeerLoad]:
+    cfgs = [BackendConfig(url=f"http://127.0.0.1:{9000 + i}", name=n, models=["m"])
+            for i, n in enumerate(("a", "b"))]  # fmt: skip
+    table = BackendTable(_Settings(cfgs))
+    peers = PeerLoad(PeerConfig(enabled=True), "redis://unused", instance=instance, clock=clock)
+    table.shared = peers
+    return table, peers
+
+
+def _info() -> RequestInfo:
+    return RequestInfo("r", model="m", input_tokens=100, predicted_output_tokens=10)
+
+
+def _send(src: PeerLoad, *dst: PeerLoad, full: bool = False) -> None:
+    raw = src._message(full=full)
+    if raw is not None:
+        for d in dst:
+            d._inbox.append(orjson.loads(raw))
+
+
+def test_two_gateways_see_each_others_in_flight() -> None:
+    clock = _Clock()
+    (t1, p1), (t2, p2) = _gateway(clock, "g1"), _gateway(clock, "g2")
+    for _ in range(3):
+        t1.on_dispatch("a", _info())
+    t2.on_dispatch("a", _info())
+    t2.on_dispatch("b", _info())
+    _send(p1, p2)
+    _send(p2, p1)
+    t1.sync()
+    t2.sync()
+    for t in (t1, t2):
+        assert (t.state("a").in_flight, t.state("b").in_flight) == (4, 1)
+        assert t.state("a").outstanding_prefill_tokens == 400
+    t1.on_complete("a", _info(), Outcome(ok=True), had_first_token=False)
+    _send(p1, p2)
+    t2.sync()
+    assert t2.state("a").in_flight == 3 and p2.num_peers == 1
+
+
+def test_messages_are_totals_so_a_lost_one_is_corrected_by_the_next() -> None:
+    clock = _Clock()
+    (t1, p1), (t2, p2) = _gateway(clock, "g1"), _gateway(clock, "g2")
+    t1.on_dispatch("a", _info())
+    p1._message(full=False)  # lost on the way
+    t1.on_dispatch("a", _info())
+    _send(p1, p2)
+    t2.sync()
+    assert t2.state("a").in_flight == 2
+
+
+def test_a_silent_peer_is_forgotten_and_a_snapshot_zeroes_what_it_omits() -> None:
+    clock = _Clock()
+    (t1, p1), (t2, p2) = _gateway(clock, "g1"), _gateway(clock, "g2")
+    t1.on_dispatch("a", _info())
+    t1.on_dispatch("b", _info())
+    _send(p1, p2)
+    t2.sync()
+    assert (t2.state("a").in_flight, t2.state("b").in_flight) == (1, 1)
+    t1.on_complete("b", _info(), Outcome(ok=True), had_first_token=False)
+    p1._dirty.clear()  # the change message is lost; the next snapshot omits "b"
+    _send(p1, p2, full=True)
+    t2.sync()
+    assert (t2.state("a").in_flight, t2.state("b").in_flight) == (1, 0)
+    clock.now += 3.5  # g1 dies: nothing more from it
+    t2.sync()
+    assert t2.state("a").in_flight == 0 and p2.num_peers == 0
+
+
+def test_a_lost_channel_falls_back_to_the_own_view() -> None:
+    clock = _Clock()
+    (t1, p1), (t2, p2) = _gateway(clock, "g1"), _gateway(clock, "g2")
+    t1.on_dispatch("a", _info())
+    t2.on_dispatch("a", _info())
+    _send(p1, p2)
+    t2.sync()
+    assert t2.state("a").in_flight == 2
+    p2.connected = True
+    p2._lost(ConnectionError("redis down"))
+    t2.sync()
+    assert t2.state("a").in_flight == 1 and not p2.connected and p2.num_failures == 1
+
+
+def test_sibling_workers_and_itself_are_ignored_on_the_channel() -> None:
+    clock = _Clock()
+    (t1, p1), (t2, p2) = _gateway(clock, "same"), _gateway(clock, "same")
+    p2.peer_id = "same:other-pid"
+    t1.on_dispatch("a", _info())
+    _send(p1, p1, p2)
+    t1.sync()
+    t2.sync()
+    assert (t1.state("a").in_flight, t2.state("a").in_flight) == (1, 0)
+
+
+def test_a_backend_added_later_gets_the_peers_counts() -> None:
+    clock = _Clock()
+    (t1, p1), (t2, p2) = _gateway(clock, "g1"), _gateway(clock, "g2")
+    t1.add_backend(BackendConfig(url="http://127.0.0.1:9100", name="late", models=["m"]))
+    t1.on_dispatch("late", _info())
+    _send(p1, p2)
+    t2.sync()  # g2 does not know "late" yet
+    t2.add_backend(BackendConfig(url="http://127.0.0.1:9100", name="late", models=["m"]))
+    assert t2.state("late").in_flight == 1
