@@ -38,6 +38,7 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
+from test_ratelimit_redis import REDIS, redis_url  # noqa: F401 - the fixture
 
 from conftest import REPO, free_port
 from kiloserve.bench.client import run_bench
@@ -82,7 +83,9 @@ def _twins(run_dir: Path) -> list[ChildProcess]:
     return children
 
 
-def _gateway(run_dir: Path, name: str, twin_urls: list[str]) -> ChildProcess:
+def _gateway(
+    run_dir: Path, name: str, twin_urls: list[str], peers_redis: str | None = None
+) -> ChildProcess:
     port = free_port()
     cfg = {
         "host": "127.0.0.1",
@@ -95,6 +98,8 @@ def _gateway(run_dir: Path, name: str, twin_urls: list[str]) -> ChildProcess:
             for i, url in enumerate(twin_urls)
         ],
     }
+    if peers_redis is not None:  # share the in-flight view (gateway/peers.py)
+        cfg["peers"] = {"enabled": True, "redis_url": peers_redis}
     path = run_dir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     argv = _python_argv("gateway", "-c", str(path), "--log-level", "WARNING")
@@ -127,13 +132,15 @@ class Stack:
     children: list[ChildProcess] = field(default_factory=list)
 
 
-def _start_stack(run_dir: Path, num_gateways: int) -> Stack:
+def _start_stack(run_dir: Path, num_gateways: int, peers_redis: str | None = None) -> Stack:
     """Fresh twins (empty prefix caches), the gateways, then HAProxy."""
     children: list[ChildProcess] = []
     try:
         twins = _twins(run_dir)
         urls = [t.url for t in twins]
-        gateways = [_gateway(run_dir, f"gw{i}", urls) for i in range(1, num_gateways + 1)]
+        gateways = [
+            _gateway(run_dir, f"gw{i}", urls, peers_redis) for i in range(1, num_gateways + 1)
+        ]
         for child in [*twins, *gateways]:
             children.append(child)
             child.start()
@@ -157,10 +164,10 @@ def _start_stack(run_dir: Path, num_gateways: int) -> Stack:
 def stack_factory(tmp_path: Path) -> Iterator[object]:
     stacks: list[Stack] = []
 
-    def make(num_gateways: int, name: str) -> Stack:
+    def make(num_gateways: int, name: str, peers_redis: str | None = None) -> Stack:
         run_dir = tmp_path / name
         run_dir.mkdir()
-        stacks.append(_start_stack(run_dir, num_gateways))
+        stacks.append(_start_stack(run_dir, num_gateways, peers_redis))
         return stacks[-1]
 
     try:
@@ -209,10 +216,24 @@ def test_routing_distance() -> None:
 
 
 async def test_two_gateways_route_as_well_as_one(stack_factory: object) -> None:
+    await _one_vs_two(stack_factory, None)
+
+
+@pytest.mark.skipif(REDIS is None, reason="redis-server not installed")
+async def test_two_peered_gateways_route_as_well_as_one(
+    stack_factory: object,
+    redis_url: str,  # noqa: F811 - the fixture
+) -> None:
+    """The same with ``peers`` on (gateway/peers.py): each sees the other's requests."""
+    await _one_vs_two(stack_factory, redis_url)
+
+
+async def _one_vs_two(stack_factory: object, peers_redis: str | None) -> None:
     make = stack_factory
     summaries = {}
     for num_gateways in (1, 2):
-        stack = make(num_gateways, f"n{num_gateways}")  # type: ignore[operator]
+        redis = peers_redis if num_gateways == 2 else None
+        stack = make(num_gateways, f"n{num_gateways}", redis)  # type: ignore[operator]
         for gw in stack.gateways:
             await _wait_all_backends_up(gw.url)
         summaries[num_gateways] = await _bench(stack.url)
