@@ -26,7 +26,7 @@ from kiloserve.gateway.admission.queue import AdmissionConfig
 from kiloserve.gateway.admission.ratelimit import RateLimitConfig
 from kiloserve.gateway.dashboard_state import DashboardConfig
 from kiloserve.gateway.migrate import MigrationConfig
-from kiloserve.gateway.peers import PeerConfig
+from kiloserve.gateway.peer_settings import PeerConfig
 from kiloserve.gateway.registry.settings import RegistryConfig
 from kiloserve.gateway.resilience.demotion import DemotionConfig
 from kiloserve.gateway.resilience.health import HealthConfig

@@ -39,8 +39,8 @@ import orjson
 from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
-from pydantic import BaseModel, ConfigDict, Field
 
+from kiloserve.gateway.peer_settings import PeerConfig
 from kiloserve.routing.shared_load import FIELDS
 from kiloserve.routing.table import BackendTable
 
@@ -54,19 +54,6 @@ logger = logging.getLogger(__name__)
 
 _NF = len(FIELDS)
 _ZERO = (0,) * _NF
-
-
-class PeerConfig(BaseModel):
-    """The ``peers`` config section (docs/gateway.md, "Gateways that act as one")."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    enabled: bool = False
-    redis_url: str | None = None  # None: rate_limit.redis_url
-    channel: str = "kiloserve:load"
-    flush_interval_s: float = Field(default=0.01, gt=0.0)
-    snapshot_interval_s: float = Field(default=1.0, gt=0.0)
-    peer_timeout_s: float = Field(default=3.0, gt=0.0)
 
 
 class _Peer:
