@@ -22,6 +22,8 @@ import aiohttp
 import pytest
 from test_gateway_fakes import FakeBackend, fake_backends
 
+from kiloserve.routing.engine_metrics import parse_samples
+
 pytestmark = pytest.mark.slow
 
 
@@ -175,6 +177,24 @@ async def test_a_drain_sent_to_one_worker_holds_on_all() -> None:
             ):
                 assert r.status == 200
                 assert r.headers["x-kiloserve-backend"] == fakes[0].url
+        # /metrics reaches one worker and answers for the gateway: counters summed,
+        # gauges one series per worker
+        for _ in range(4):
+            connector = aiohttp.TCPConnector(force_close=True)
+            async with (
+                aiohttp.ClientSession(connector=connector) as s,
+                s.get(url + "/metrics") as r,
+            ):
+                text = await r.text()
+            samples = list(parse_samples(text))
+            served = sum(
+                v for n, labels, v in samples
+                if n == "kiloserve_gateway_requests_total" and labels.get("backend") == fakes[0].url
+            )  # fmt: skip
+            assert served == 10
+            workers = {labels.get("worker") for n, labels, _ in samples
+                       if n == "kiloserve_gateway_in_flight"}  # fmt: skip
+            assert workers == {"0", "1"}, text
 
 
 async def test_admission_is_one_budget_across_workers(tmp_path: Path) -> None:

@@ -67,6 +67,7 @@ from kiloserve.gateway.registry.watch import start_registry
 from kiloserve.gateway.resilience.manager import Resilience
 from kiloserve.gateway.scrape import scrape_loop
 from kiloserve.gateway.upstream import UpstreamPool
+from kiloserve.gateway.worker_metrics import WorkerMetrics
 from kiloserve.policies.base import Decision, Policy, RequestInfo
 from kiloserve.policies.prefix_index import PrefixIndex
 from kiloserve.routing.router import Router
@@ -78,6 +79,7 @@ __all__ = [
     "KV_EVENTS_KEY",
     "METRICS_KEY",
     "TABLE_KEY",
+    "WORKER_METRICS_KEY",
     "create_gateway_app",
     "create_policy_for",
     "make_runner",
@@ -103,6 +105,7 @@ class _RequestIds:
 
 CTX_KEY = web.AppKey("kiloserve_gateway_ctx", ProxyContext)
 TABLE_KEY = web.AppKey("kiloserve_gateway_table", BackendTable)
+WORKER_METRICS_KEY = web.AppKey("kiloserve_gateway_worker_metrics", WorkerMetrics)
 METRICS_KEY = web.AppKey("kiloserve_gateway_metrics", GatewayMetrics)
 _TASKS_KEY = web.AppKey("kiloserve_gateway_tasks", list)
 _SESSION_KEY = web.AppKey("kiloserve_gateway_session", aiohttp.ClientSession)
@@ -395,6 +398,9 @@ async def ready(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     body = request.app[METRICS_KEY].render()
+    merged = request.app.get(WORKER_METRICS_KEY)  # --workers N: the whole gateway's page
+    if merged is not None and request.query.get("local") != "1":
+        body = (await merged.render(body.decode())).encode()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 

@@ -18,7 +18,12 @@ from aiohttp import web
 
 from kiloserve.gateway.admission.gate import FLOW_KEY
 from kiloserve.gateway.admission.ratelimit import LocalLimiter, SharedLimiter
-from kiloserve.gateway.app import TABLE_KEY, create_gateway_app, make_runner
+from kiloserve.gateway.app import (
+    TABLE_KEY,
+    WORKER_METRICS_KEY,
+    create_gateway_app,
+    make_runner,
+)
 from kiloserve.gateway.config import (
     BackendConfig,
     GatewayConfig,
@@ -28,6 +33,7 @@ from kiloserve.gateway.config import (
 )
 from kiloserve.gateway.loop import LoopError, loop_factory
 from kiloserve.gateway.peers import PEERS_KEY
+from kiloserve.gateway.worker_metrics import WorkerMetrics
 from kiloserve.routing.shared_load import SharedLoad
 
 __all__ = ["add_arguments", "build_config", "run", "serve"]
@@ -113,6 +119,7 @@ async def serve(
         else:
             table.shared = shared
         shared.resync(table.state_or_none)  # the siblings' counts (no peers yet)
+        app[WORKER_METRICS_KEY] = WorkerMetrics(worker or 0, shared.ports, cfg.metrics_token)
         flow = app.get(FLOW_KEY)
         if flow is not None and isinstance(flow.limiter, LocalLimiter):
             flow.limiter = SharedLimiter(shared)  # one set of buckets for all workers
@@ -122,6 +129,10 @@ async def serve(
         reuse = True if worker is not None else None  # SO_REUSEPORT beside the peers
         site = web.TCPSite(runner, cfg.host, cfg.port, reuse_port=reuse)
         await site.start()
+        if shared is not None:  # a private port: this worker's own /metrics for siblings
+            private = web.TCPSite(runner, "127.0.0.1", 0)
+            await private.start()
+            shared.set_port(runner.addresses[-1][1])
         host, port = runner.addresses[0][:2]
         url = f"http://{host}:{port}"
         who = "kiloserve gateway" if worker is None else f"kiloserve gateway worker {worker}"

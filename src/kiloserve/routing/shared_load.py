@@ -13,7 +13,9 @@ They live in one shared-memory segment (``multiprocessing.shared_memory``):
   lock on the hot path): it writes the entry, then its row, then publishes the ring's
   write index, inside a sequence counter (odd while writing) so a reader can take a
   consistent copy of the row and the index together;
-* a **drain** word per slot and an admin version, bumped on every drain / undrain.
+* a **drain** word per slot and an admin version, bumped on every drain / undrain;
+* each worker's private loopback **port** (its own ``/metrics`` for the merged page);
+* the **rate-limit buckets** (JSON, read and written under the lock).
 
 ``publish`` records this worker's change (called by the table right after the
 accounting changed its own state, with the exact delta it applied). ``pull`` applies
@@ -88,8 +90,12 @@ class LoadLayout:
         return self.names_at + self.slots * _NAME_WORDS
 
     @property
-    def workers_at(self) -> int:
+    def ports_at(self) -> int:
         return self.drains_at + self.slots
+
+    @property
+    def workers_at(self) -> int:
+        return self.ports_at + self.workers
 
     @property
     def worker_words(self) -> int:
@@ -366,6 +372,16 @@ class SharedLoad:
                     self.publish(name, tuple(-v for v in vals))
                     retired += 1
         return retired
+
+    # -- the workers' private ports (gateway/worker_metrics.py) -----------------------
+    def set_port(self, port: int) -> None:
+        """Publish this worker's private loopback port."""
+        self._q[self.layout.ports_at + self.worker] = port
+
+    def ports(self) -> list[tuple[int, int]]:
+        """``(worker, private port)`` of every worker that published one."""
+        at = self.layout.ports_at
+        return [(w, self._q[at + w]) for w in range(self.layout.workers) if self._q[at + w]]
 
     # -- rate-limit buckets ----------------------------------------------------------
     @contextmanager

@@ -1,0 +1,123 @@
+"""``GET /metrics`` of ``kiloserve gateway --workers N``: every worker's figures, merged.
+
+A scrape of the shared port reaches one worker (the kernel picks), so each worker
+answers ``/metrics`` for the whole gateway: it reads its siblings' own pages over
+loopback (each worker also listens on a private ``127.0.0.1`` port, published in the
+shared segment, where ``/metrics?local=1`` is that worker's page alone) and merges
+them with its own:
+
+* counters, histograms and summaries are summed per label set (so ``rate()`` and
+  ``histogram_quantile()`` see the gateway), with the ``_created`` samples dropped;
+* gauges (and untyped samples) keep one series per worker with a ``worker`` label
+  (queue depth, process memory and the backend gauges each worker reads for itself:
+  aggregate them as fits, e.g. ``sum by (model)`` or ``max by (backend)``).
+
+A sibling that does not answer within ``timeout_s`` is left out of that scrape (and the
+page says so in ``kiloserve_gateway_worker_scrape_errors``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+__all__ = ["WorkerMetrics", "merge_pages"]
+
+_SUMMED = {"counter", "histogram", "summary", "gaugehistogram"}
+
+
+@dataclass
+class _Family:
+    name: str
+    kind: str
+    doc: str
+    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float] = field(default_factory=dict)
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def merge_pages(pages: Sequence[tuple[int, str]]) -> str:
+    """One exposition page from ``(worker index, page text)`` pairs (see module doc)."""
+    families: dict[str, _Family] = {}
+    for worker, text in pages:
+        for fam in text_string_to_metric_families(text):
+            if fam.type == "unknown" and fam.name.endswith("_created"):
+                continue
+            got = families.get(fam.name)
+            if got is None:
+                got = families[fam.name] = _Family(fam.name, fam.type, fam.documentation)
+            summed = fam.type in _SUMMED
+            for s in fam.samples:
+                if s.name.endswith("_created"):
+                    continue
+                tagged = dict(s.labels)
+                if not summed:
+                    tagged["worker"] = str(worker)
+                key = (s.name, tuple(sorted(tagged.items())))
+                got.samples[key] = got.samples.get(key, 0.0) + s.value if summed else s.value
+    out: list[str] = []
+    for merged in families.values():
+        kind = merged.kind if merged.kind != "unknown" else "untyped"
+        out.append(f"# HELP {merged.name} {merged.doc}")
+        out.append(f"# TYPE {merged.name} {kind}")
+        for (name, pairs), value in merged.samples.items():
+            body = ",".join(f'{k}="{_escape(v)}"' for k, v in pairs)
+            out.append(f"{name}{{{body}}} {_value(value)}" if body else f"{name} {_value(value)}")
+    return "\n".join(out) + "\n"
+
+
+def _value(v: float) -> str:
+    """Prometheus's text format for a sample value."""
+    if v != v:
+        return "NaN"
+    if v in (float("inf"), float("-inf")):
+        return "+Inf" if v > 0 else "-Inf"
+    return repr(float(v)) if v != int(v) or abs(v) >= 1e15 else f"{int(v)}.0"
+
+
+class WorkerMetrics:
+    """The merged page of one worker: ``render(own_page)`` fetches the siblings'."""
+
+    def __init__(
+        self,
+        worker: int,
+        sibling_ports: Callable[[], list[tuple[int, int]]],
+        token: str | None = None,
+        timeout_s: float = 1.0,
+    ) -> None:
+        self.worker = worker
+        self._ports = sibling_ports
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.num_errors = 0
+
+    async def _one(self, session: aiohttp.ClientSession, port: int) -> str | None:
+        url = f"http://127.0.0.1:{port}/metrics?local=1"
+        try:
+            async with session.get(url, headers=self._headers) as resp:
+                return await resp.text() if resp.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return None
+
+    async def render(self, own: str) -> str:
+        siblings = [(w, p) for w, p in self._ports() if w != self.worker and p > 0]
+        async with aiohttp.ClientSession(timeout=self._timeout) as session:
+            texts = await asyncio.gather(*(self._one(session, p) for _, p in siblings))
+        pages = [(self.worker, own)]
+        for (w, _), text in zip(siblings, texts, strict=True):
+            if text is None:
+                self.num_errors += 1
+            else:
+                pages.append((w, text))
+        errors = (
+            "# HELP kiloserve_gateway_worker_scrape_errors sibling workers whose page was "
+            "missing from a merged /metrics\n# TYPE kiloserve_gateway_worker_scrape_errors "
+            f"counter\nkiloserve_gateway_worker_scrape_errors_total {self.num_errors}\n"
+        )
+        return merge_pages(pages) + errors

@@ -1,0 +1,46 @@
+"""The merged /metrics page of gateway workers (gateway/worker_metrics.py)."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kiloserve.gateway.worker_metrics import merge_pages
+
+PAGE = """# HELP reqs_total requests
+# TYPE reqs_total counter
+reqs_total{backend="a",status="200"} %d
+reqs_created{backend="a",status="200"} 1.7e9
+# HELP depth queue depth
+# TYPE depth gauge
+depth{model="m"} %d
+# HELP lat latency
+# TYPE lat histogram
+lat_bucket{le="0.1"} %d
+lat_bucket{le="+Inf"} %d
+lat_sum 1.5
+lat_count %d
+"""
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_counters_and_histograms_sum_and_gauges_keep_a_series_per_worker() -> None:
+    got = _samples(merge_pages([(0, PAGE % (3, 2, 1, 3, 3)), (1, PAGE % (4, 5, 2, 4, 4))]))
+    assert got[("reqs_total", (("backend", "a"), ("status", "200")))] == 7
+    assert got[("lat_bucket", (("le", "0.1"),))] == 3
+    assert got[("lat_count", ())] == 7 and got[("lat_sum", ())] == 3.0
+    assert got[("depth", (("model", "m"), ("worker", "0")))] == 2
+    assert got[("depth", (("model", "m"), ("worker", "1")))] == 5
+    assert not any(name.endswith("_created") for name, _ in got)
+
+
+def test_label_values_are_escaped() -> None:
+    page = '# TYPE g gauge\ng{path="a\\\\b\\"c\\nd"} 1\n'
+    got = _samples(merge_pages([(0, page)]))
+    assert got[("g", (("path", 'a\\b"c\nd'), ("worker", "0")))] == 1
