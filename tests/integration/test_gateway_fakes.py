@@ -45,6 +45,7 @@ class FakeBackend:
     num_active: int = 0
     num_aborted: int = 0
     num_finished: int = 0
+    num_metrics: int = 0  # GET /metrics answered
     url: str = ""
     _runner: web.AppRunner | None = None
 
@@ -74,6 +75,7 @@ class FakeBackend:
         return web.json_response({"object": "list", "data": data})
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        self.num_metrics += 1
         if self.metrics_delay_s:
             await asyncio.sleep(self.metrics_delay_s)
         if self.metrics_status != 200:

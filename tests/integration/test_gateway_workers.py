@@ -257,3 +257,23 @@ async def test_rate_limits_hold_for_the_gateway_not_per_worker(tmp_path: Path) -
             ):
                 statuses.append(r.status)
         assert sorted(statuses) == [200] * 6 + [429] * 6, statuses
+
+
+async def test_the_engines_are_scraped_once_not_per_worker() -> None:
+    fake = FakeBackend()
+    async with fake_backends(fake), _gateway(fake.url) as (url, _):
+
+        async def ready() -> bool:
+            return all([(await _get(url + "/ready"))[0] == 200 for _ in range(6)])
+
+        await _until(ready)
+        before = fake.num_metrics
+        await asyncio.sleep(3.0)
+        scrapes = fake.num_metrics - before
+        # one scraper at 5 per second (scrape_interval_s 0.2) is ~15; two would be ~30
+        assert 8 <= scrapes <= 21, scrapes
+        for _ in range(6):  # every worker has fresh engine figures all the same
+            status, body = await _get(url + "/admin/backends")
+            assert status == 200 and isinstance(body, dict)
+            row = body["backends"][0]
+            assert not row["scrape_stale"] and row["kv_usage"] is not None, row

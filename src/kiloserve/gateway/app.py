@@ -65,7 +65,7 @@ from kiloserve.gateway.profile import Profiler
 from kiloserve.gateway.proxy import ProxyContext, forward
 from kiloserve.gateway.registry.watch import start_registry
 from kiloserve.gateway.resilience.manager import Resilience
-from kiloserve.gateway.scrape import scrape_loop
+from kiloserve.gateway.scrape import ScrapeShare, scrape_loop
 from kiloserve.gateway.upstream import UpstreamPool
 from kiloserve.gateway.worker_metrics import WorkerMetrics
 from kiloserve.policies.base import Decision, Policy, RequestInfo
@@ -78,6 +78,7 @@ __all__ = [
     "CTX_KEY",
     "KV_EVENTS_KEY",
     "METRICS_KEY",
+    "SCRAPE_SHARE_KEY",
     "TABLE_KEY",
     "WORKER_METRICS_KEY",
     "create_gateway_app",
@@ -106,6 +107,8 @@ class _RequestIds:
 CTX_KEY = web.AppKey("kiloserve_gateway_ctx", ProxyContext)
 TABLE_KEY = web.AppKey("kiloserve_gateway_table", BackendTable)
 WORKER_METRICS_KEY = web.AppKey("kiloserve_gateway_worker_metrics", WorkerMetrics)
+# (the workers' shared scrapes, is this worker the scraper): set by gateway/cli.py
+SCRAPE_SHARE_KEY = web.AppKey("kiloserve_gateway_scrape_share", tuple[ScrapeShare, bool])
 METRICS_KEY = web.AppKey("kiloserve_gateway_metrics", GatewayMetrics)
 _TASKS_KEY = web.AppKey("kiloserve_gateway_tasks", list)
 _SESSION_KEY = web.AppKey("kiloserve_gateway_session", aiohttp.ClientSession)
@@ -453,7 +456,11 @@ async def _on_startup(app: web.Application) -> None:
     if _needs_discovery(ctx.table):
         await _discover_once(session, ctx.table, cfg.connect_timeout_s)
         tasks.append(asyncio.create_task(_discovery_loop(session, ctx.table, cfg)))
-    scraping = scrape_loop(session, ctx.table, cfg.scrape_interval_s, cfg.scrape_timeout_s)
+    share = app.get(SCRAPE_SHARE_KEY)  # --workers N: worker 0 scrapes for all (scrape.py)
+    scraping = scrape_loop(
+        session, ctx.table, cfg.scrape_interval_s, cfg.scrape_timeout_s,
+        share[0] if share else None, is_scraper=share is None or share[1],
+    )  # fmt: skip
     tasks.append(asyncio.create_task(scraping))
     trim = load_malloc_trim() if cfg.malloc_trim_interval_s > 0 else None
     if trim is not None:

@@ -19,6 +19,7 @@ from aiohttp import web
 from kiloserve.gateway.admission.gate import FLOW_KEY
 from kiloserve.gateway.admission.ratelimit import LocalLimiter, SharedLimiter
 from kiloserve.gateway.app import (
+    SCRAPE_SHARE_KEY,
     TABLE_KEY,
     WORKER_METRICS_KEY,
     create_gateway_app,
@@ -120,6 +121,7 @@ async def serve(
             table.shared = shared
         shared.resync(table.state_or_none)  # the siblings' counts (no peers yet)
         app[WORKER_METRICS_KEY] = WorkerMetrics(worker or 0, shared.ports, cfg.metrics_token)
+        app[SCRAPE_SHARE_KEY] = (shared, worker == 0)  # worker 0 scrapes for all
         flow = app.get(FLOW_KEY)
         if flow is not None and isinstance(flow.limiter, LocalLimiter):
             flow.limiter = SharedLimiter(shared)  # one set of buckets for all workers

@@ -3,6 +3,13 @@
 Parsing is ``kiloserve.routing.engine_metrics`` (no I/O, shared with the simulator);
 this module owns only the HTTP side: one loop per backend, so one slow backend never
 delays the others' refresh, and a tick that marks stale values.
+
+With ``kiloserve gateway --workers N`` the engines are scraped once, not N times:
+worker 0 scrapes and publishes each outcome in the shared segment
+(``SharedLoad.put_scrape``), the other workers apply the published outcomes to their
+tables as if they had scraped (``get_scrape``), and scrape an engine themselves only
+while its published record is older than two intervals plus the timeout (worker 0
+restarting, or stuck).
 """
 
 from __future__ import annotations
@@ -11,34 +18,101 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import aiohttp
 
-from kiloserve.routing.engine_metrics import parse_engine_metrics
+from kiloserve.routing.engine_metrics import EngineMetrics, parse_engine_metrics
+from kiloserve.routing.shared_load import SCRAPE_FAILED, SCRAPE_OK, SCRAPE_UNAVAILABLE
 from kiloserve.routing.table import BackendTable
 
-__all__ = ["scrape_loop"]
+__all__ = ["ScrapeShare", "scrape_loop"]
 
 logger = logging.getLogger(__name__)
 
 
+class ScrapeShare(Protocol):
+    """Scrape outcomes shared by the gateway's workers (``routing.shared_load``)."""
+
+    def put_scrape(
+        self,
+        backend_id: str,
+        outcome: int,
+        now_s: float,
+        metrics: EngineMetrics | None = None,
+        reason: str = "",
+    ) -> None: ...
+
+    def get_scrape(
+        self, backend_id: str
+    ) -> tuple[int, float, EngineMetrics | None, str] | None: ...
+
+
+def _apply(
+    table: BackendTable,
+    backend_id: str,
+    outcome: int,
+    now_s: float,
+    metrics: EngineMetrics | None,
+    reason: str,
+) -> None:
+    if outcome == SCRAPE_OK and metrics is not None:
+        table.record_scrape(backend_id, metrics, now_s)
+    elif outcome == SCRAPE_UNAVAILABLE:
+        table.record_scrape_unavailable(backend_id, now_s)
+    else:
+        table.record_scrape_failure(backend_id, now_s, reason)
+
+
 async def _scrape_backend(
-    session: aiohttp.ClientSession, table: BackendTable, backend_id: str, timeout_s: float
+    session: aiohttp.ClientSession,
+    table: BackendTable,
+    backend_id: str,
+    timeout_s: float,
+    share: ScrapeShare | None = None,
 ) -> None:
     url = table.url_of(backend_id) + "/metrics"
+    metrics: EngineMetrics | None = None
+    reason = ""
     try:
         async with asyncio.timeout(timeout_s), session.get(url) as resp:
             text = await resp.text()
             status = resp.status
     except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-        table.record_scrape_failure(backend_id, time.monotonic(), type(exc).__name__)
-        return
-    if status >= 500:
-        table.record_scrape_failure(backend_id, time.monotonic(), f"http {status}")
-    elif status >= 400:
-        table.record_scrape_unavailable(backend_id, time.monotonic())
+        outcome, reason = SCRAPE_FAILED, type(exc).__name__
     else:
-        table.record_scrape(backend_id, parse_engine_metrics(text), time.monotonic())
+        if status >= 500:
+            outcome, reason = SCRAPE_FAILED, f"http {status}"
+        elif status >= 400:
+            outcome = SCRAPE_UNAVAILABLE
+        else:
+            outcome, metrics = SCRAPE_OK, parse_engine_metrics(text)
+    now_s = time.monotonic()
+    _apply(table, backend_id, outcome, now_s, metrics, reason)
+    if share is not None:
+        share.put_scrape(backend_id, outcome, now_s, metrics, reason)
+
+
+class _Follower:
+    """A worker that is not the scraper: applies worker 0's published scrapes."""
+
+    def __init__(self, share: ScrapeShare, max_age_s: float) -> None:
+        self.share = share
+        self.max_age_s = max_age_s
+        self.applied: dict[str, float] = {}
+
+    def take(self, table: BackendTable, backend_id: str) -> bool:
+        """True when a fresh published scrape stood in for our own."""
+        got = self.share.get_scrape(backend_id)
+        if got is None:
+            return False
+        outcome, t, metrics, reason = got
+        if time.monotonic() - t > self.max_age_s:
+            return False
+        if t > self.applied.get(backend_id, -1.0):
+            self.applied[backend_id] = t
+            _apply(table, backend_id, outcome, t, metrics, reason)
+        return True
 
 
 async def _every(interval_s: float, what: str, step: Callable[[], Awaitable[None]]) -> None:
@@ -57,15 +131,31 @@ async def scrape_loop(
     table: BackendTable,
     interval_s: float,
     timeout_s: float,
+    share: ScrapeShare | None = None,
+    *,
+    is_scraper: bool = True,
 ) -> None:
     """Scrape forever (cancel the task to stop).
 
     Each backend has its own loop, so one slow backend never delays the others'
-    refresh; a separate tick marks stale values every ``interval_s``.
+    refresh; a separate tick marks stale values every ``interval_s``. With ``share``
+    (gateway workers), the scraper publishes its outcomes there and the others read
+    them (module doc).
     """
+    follower = (
+        _Follower(share, 2 * interval_s + timeout_s)
+        if share is not None and not is_scraper
+        else None
+    )
+    publish = share if is_scraper else None
 
     def scrape(backend_id: str) -> Callable[[], Awaitable[None]]:
-        return lambda: _scrape_backend(session, table, backend_id, timeout_s)
+        async def step() -> None:
+            if follower is not None and follower.take(table, backend_id):
+                return
+            await _scrape_backend(session, table, backend_id, timeout_s, publish)
+
+        return step
 
     loops: dict[str, asyncio.Task[None]] = {}
 

@@ -15,6 +15,8 @@ They live in one shared-memory segment (``multiprocessing.shared_memory``):
   consistent copy of the row and the index together;
 * a **drain** word per slot and an admin version, bumped on every drain / undrain;
 * each worker's private loopback **port** (its own ``/metrics`` for the merged page);
+* per slot, the last **scrape** of the backend (worker 0 scrapes, the others read it,
+  each falling back to its own scrape when that record grows old: gateway/scrape.py);
 * the **rate-limit buckets** (JSON, read and written under the lock).
 
 ``publish`` records this worker's change (called by the table right after the
@@ -27,8 +29,8 @@ worker) rebuilds its view from the rows. A worker that replaces a dead one first
 retires what the dead one still counted (its row, published as negative changes), so
 requests that died with it stop counting everywhere.
 
-What stays per worker: learned speeds (EWMAs), health, ejections and scrapes (each
-worker scrapes the engines itself), the approximate prefix index, and the admission
+What stays per worker: learned speeds (EWMAs), active health probes, ejections and
+demotions, the approximate prefix index, and the admission
 queues (each worker queues its own requests against the shared budget: waiters are
 released on the worker's own completions and ticks); see docs/gateway.md ("Workers").
 """
@@ -38,6 +40,7 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
+import math
 import os
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -45,10 +48,20 @@ from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 from typing import TYPE_CHECKING
 
+from kiloserve.routing.engine_metrics import EngineMetrics
+
 if TYPE_CHECKING:
     from kiloserve.policies.base import BackendState
 
-__all__ = ["FIELDS", "FileLock", "LoadLayout", "SharedLoad"]
+__all__ = [
+    "FIELDS",
+    "SCRAPE_FAILED",
+    "SCRAPE_OK",
+    "SCRAPE_UNAVAILABLE",
+    "FileLock",
+    "LoadLayout",
+    "SharedLoad",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +82,20 @@ _NAME_BYTES = 248
 _NAME_WORDS = 1 + _NAME_BYTES // 8  # length word + utf-8 bytes
 _ENTRY = 3  # slot, field, delta
 _DRAIN_SET, _DRAIN_CLEAR = 1, 2
+# a scrape record: seq, outcome, time (f64), 8 EngineMetrics numbers (f64, NaN = None),
+# engine name (16 bytes), failure reason (32 bytes)
+_NUMS = (
+    "num_running",
+    "num_waiting",
+    "kv_usage",
+    "prefix_hit_rate",
+    "num_preemptions",
+    "pcie_util",
+    "prefix_queries_tokens",
+    "prefix_hits_tokens",
+)
+_SCRAPE_WORDS = 3 + len(_NUMS) + 2 + 4
+SCRAPE_OK, SCRAPE_UNAVAILABLE, SCRAPE_FAILED = 1, 2, 3
 _CREATED: set[str] = set()  # segments this process created (and its tracker unlinks)
 
 
@@ -94,8 +121,12 @@ class LoadLayout:
         return self.drains_at + self.slots
 
     @property
-    def workers_at(self) -> int:
+    def scrapes_at(self) -> int:
         return self.ports_at + self.workers
+
+    @property
+    def workers_at(self) -> int:
+        return self.scrapes_at + self.slots * _SCRAPE_WORDS
 
     @property
     def worker_words(self) -> int:
@@ -163,6 +194,7 @@ class SharedLoad:
         self._owner = owner
         self._raw = _buf(shm)
         self._q = self._raw.cast("q")
+        self._d = self._raw.cast("d")  # the same words, as float64
         self._slots: dict[str, int] = {}  # backend id -> slot (claimed)
         self._names: dict[int, str] = {}  # slot -> backend id
         self._cursors = [0] * layout.workers
@@ -211,6 +243,7 @@ class SharedLoad:
 
     def close(self) -> None:
         self._q.release()
+        self._d.release()
         self._raw.release()
         self._shm.close()
         if self._owner:
@@ -382,6 +415,80 @@ class SharedLoad:
         """``(worker, private port)`` of every worker that published one."""
         at = self.layout.ports_at
         return [(w, self._q[at + w]) for w in range(self.layout.workers) if self._q[at + w]]
+
+    # -- scrapes: one worker scrapes, the others read (gateway/scrape.py) -------------
+    def put_scrape(
+        self,
+        backend_id: str,
+        outcome: int,
+        now_s: float,
+        metrics: EngineMetrics | None = None,
+        reason: str = "",
+    ) -> None:
+        """Publish one scrape's outcome (``SCRAPE_OK`` with its metrics,
+        ``SCRAPE_UNAVAILABLE`` or ``SCRAPE_FAILED`` with a reason)."""
+        slot = self.slot(backend_id)
+        if slot is None:
+            return
+        q, d = self._q, self._d
+        at = self.layout.scrapes_at + slot * _SCRAPE_WORDS
+        q[at] += 1  # odd: writing
+        q[at + 1] = outcome
+        d[at + 2] = now_s
+        for i, name in enumerate(_NUMS):
+            v = getattr(metrics, name) if metrics is not None else None
+            d[at + 3 + i] = math.nan if v is None else float(v)
+        text_at = (at + 3 + len(_NUMS)) * 8
+        engine = ((metrics.engine if metrics is not None else None) or "").encode()[:16]
+        self._raw[text_at : text_at + 16] = engine.ljust(16, b"\0")
+        self._raw[text_at + 16 : text_at + 48] = reason.encode()[:32].ljust(32, b"\0")
+        q[at] += 1  # even: consistent
+
+    def get_scrape(self, backend_id: str) -> tuple[int, float, EngineMetrics | None, str] | None:
+        """The last published scrape of a backend: (outcome, time, metrics, reason)."""
+        slot = self._slots.get(backend_id)
+        if slot is None:
+            slot = self.slot(backend_id)
+            if slot is None:
+                return None
+        q, d = self._q, self._d
+        at = self.layout.scrapes_at + slot * _SCRAPE_WORDS
+        for _ in range(100):
+            seq = q[at]
+            if seq == 0:
+                return None
+            if seq % 2:
+                continue
+            outcome, t = q[at + 1], d[at + 2]
+            nums = [d[at + 3 + i] for i in range(len(_NUMS))]
+            text_at = (at + 3 + len(_NUMS)) * 8
+            engine = bytes(self._raw[text_at : text_at + 16]).rstrip(b"\0").decode(errors="replace")
+            reason = (
+                bytes(self._raw[text_at + 16 : text_at + 48]).rstrip(b"\0").decode(errors="replace")
+            )
+            if q[at] == seq:
+                break
+        else:
+            return None
+        if outcome != SCRAPE_OK:
+            return outcome, t, None, reason
+        f = [None if math.isnan(v) else v for v in nums]
+
+        def whole(v: float | None) -> int | None:
+            return None if v is None else int(v)
+
+        metrics = EngineMetrics(
+            engine=engine or None,
+            num_running=whole(f[0]),
+            num_waiting=whole(f[1]),
+            kv_usage=f[2],
+            prefix_hit_rate=f[3],
+            num_preemptions=whole(f[4]),
+            pcie_util=f[5],
+            prefix_queries_tokens=f[6],
+            prefix_hits_tokens=f[7],
+        )
+        return outcome, t, metrics, reason
 
     # -- rate-limit buckets ----------------------------------------------------------
     @contextmanager

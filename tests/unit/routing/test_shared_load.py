@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -10,7 +11,8 @@ import pytest
 from kiloserve.gateway.admission.ratelimit import Quota, SharedLimiter
 from kiloserve.policies.base import BackendState, Outcome, RequestInfo
 from kiloserve.routing.config import BackendConfig
-from kiloserve.routing.shared_load import LoadLayout, SharedLoad
+from kiloserve.routing.engine_metrics import EngineMetrics
+from kiloserve.routing.shared_load import SCRAPE_FAILED, SCRAPE_OK, LoadLayout, SharedLoad
 from kiloserve.routing.table import BackendTable
 
 
@@ -164,3 +166,33 @@ async def test_rate_limit_buckets_are_shared(segment: SharedLoad) -> None:
     got = [await (a if i % 2 else b).acquire(quota, 1, 100.0) for i in range(6)]
     assert [w == 0.0 for w in got] == [True] * 4 + [False] * 2
     assert got[-1] == pytest.approx(15.0)  # one request a minute / 4
+
+
+def test_a_published_scrape_reads_back_the_same(segment: SharedLoad) -> None:
+    w0, w1 = _attach(segment, 0), _attach(segment, 1)
+    m = EngineMetrics(engine="vllm", num_running=3, num_waiting=None, kv_usage=0.25,
+                      prefix_queries_tokens=1e6)  # fmt: skip
+    assert w1.get_scrape("a") is None
+    w0.put_scrape("a", SCRAPE_OK, 123.5, m)
+    assert w1.get_scrape("a") == (SCRAPE_OK, 123.5, m, "")
+    w0.put_scrape("a", SCRAPE_FAILED, 124.0, reason="ClientConnectorError")
+    assert w1.get_scrape("a") == (SCRAPE_FAILED, 124.0, None, "ClientConnectorError")
+
+
+def test_a_follower_applies_fresh_scrapes_and_scrapes_itself_when_they_age(
+    segment: SharedLoad,
+) -> None:
+    from kiloserve.gateway.scrape import _Follower
+
+    w0, w1 = _attach(segment, 0), _attach(segment, 1)
+    table = _table("a")
+    follower = _Follower(w1, max_age_s=1.0)
+    assert not follower.take(table, "a")  # nothing published yet: scrape yourself
+    now = time.monotonic()
+    w0.put_scrape("a", SCRAPE_OK, now, EngineMetrics(num_running=2, kv_usage=0.5))
+    assert follower.take(table, "a")
+    s = table.state("a")
+    assert (s.num_running, s.kv_usage, s.scrape_stale) == (2, 0.5, False)
+    w0.put_scrape("a", SCRAPE_OK, now - 5.0, EngineMetrics(num_running=9))
+    assert not follower.take(table, "a")  # the scraper is stuck: scrape yourself
+    assert table.state("a").num_running == 2
