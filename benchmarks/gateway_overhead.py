@@ -15,7 +15,15 @@ Figures (all measured in this run):
 * CPU per relayed chunk: (CPU per streamed request - CPU per plain request) / chunks.
 * added p50 / p99 latency at moderate load (closed loop, concurrency 4) vs direct.
 * max requests/s (closed loop, concurrency 64).
-Targets (issue 3): <= 150 us CPU per request, <= 10 us per chunk, added p50 <= 1 ms.
+Targets (issue 3): <= 150 us CPU per request, <= 10 us per chunk, added p50 <= 1 ms;
+issue 16: <= 100 us per request with the default policy, and with ``--workers 2``
+>= 1.3x one worker's max requests/s at CPU per request within 10% of one worker's.
+
+Every run also measures the gateway on asyncio's own event loop (``--loop asyncio``)
+beside the default (uvloop where installed), unless ``--no-loop-baseline``; the CPU of
+a multi-process gateway is its supervisor's plus every worker's (``/proc`` children).
+
+    .venv/bin/python benchmarks/gateway_overhead.py --workers 2
 
 ``--profile FILE`` runs the gateway under cProfile (``python -m cProfile -o FILE -m
 kiloserve gateway ...``) and prints its functions by own and cumulative time after the
