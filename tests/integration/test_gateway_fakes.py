@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -141,6 +143,25 @@ async def fake_backends(*fakes: FakeBackend) -> AsyncIterator[list[FakeBackend]]
     finally:
         for f in fakes:
             await f.stop()
+
+
+@contextlib.asynccontextmanager
+async def gateway_process(*args: str) -> AsyncIterator[tuple[str, asyncio.subprocess.Process]]:
+    """``python -m kiloserve gateway ARGS --port 0`` (least_request, WARNING logs) for
+    the block: yields the first line it prints (``... listening on URL ...``) and the
+    process; SIGTERM at the end."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kiloserve", "gateway", *args, "--policy", "least_request",
+        "--port", "0", "--log-level", "WARNING", stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+        yield line, proc
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(proc.wait(), 40)
 
 
 def gateway_config(backends: list[dict[str, Any]], **kw: Any) -> GatewayConfig:

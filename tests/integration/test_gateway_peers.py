@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
-import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
 import pytest
-from test_gateway_fakes import FakeBackend, fake_backends
+from test_gateway_fakes import FakeBackend, fake_backends, gateway_process
 from test_ratelimit_redis import REDIS, redis_url  # noqa: F401 - the fixture
 
 from kiloserve.routing.engine_metrics import parse_samples
@@ -28,18 +26,8 @@ pytestmark = [
 @contextlib.asynccontextmanager
 async def _gateway(conf: Path, *urls: str) -> AsyncIterator[str]:
     args = [a for u in urls for a in ("--backend", u)]
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kiloserve", "gateway", "-c", str(conf), *args,
-        "--policy", "least_request", "--port", "0", "--log-level", "WARNING",
-        stdout=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    try:
-        assert proc.stdout is not None
-        line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+    async with gateway_process("-c", str(conf), *args) as (line, _):
         yield line.strip().rsplit(" ", 1)[-1]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        await asyncio.wait_for(proc.wait(), 40)
 
 
 async def _json(url: str) -> dict[str, object]:

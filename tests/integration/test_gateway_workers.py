@@ -13,14 +13,13 @@ import contextlib
 import hashlib
 import os
 import signal
-import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
 import pytest
-from test_gateway_fakes import FakeBackend, fake_backends
+from test_gateway_fakes import FakeBackend, fake_backends, gateway_process
 
 from kiloserve.routing.engine_metrics import parse_samples
 
@@ -50,21 +49,9 @@ async def _gateway(
     args = [a for u in urls for a in ("--backend", u)]
     if config is not None:
         args += ["-c", str(config)]
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kiloserve", "gateway", *args, "--workers", "2",
-        "--policy", "least_request", "--port", "0", "--log-level", "WARNING",
-        stdout=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    try:
-        assert proc.stdout is not None
-        line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+    async with gateway_process(*args, "--workers", "2") as (line, proc):
         assert line.endswith("(2 workers)\n"), line
-        url = line.split(" listening on ", 1)[1].split()[0]
-        yield url, proc
-    finally:
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGTERM)
-            await asyncio.wait_for(proc.wait(), 30)
+        yield line.split(" listening on ", 1)[1].split()[0], proc
 
 
 async def _get(url: str) -> tuple[int, object]:

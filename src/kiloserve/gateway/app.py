@@ -65,12 +65,13 @@ from kiloserve.gateway.profile import Profiler
 from kiloserve.gateway.proxy import ProxyContext, forward
 from kiloserve.gateway.registry.watch import start_registry
 from kiloserve.gateway.resilience.manager import Resilience
-from kiloserve.gateway.scrape import ScrapeShare, scrape_loop
+from kiloserve.gateway.scrape import scrape_loop
 from kiloserve.gateway.upstream import UpstreamPool
 from kiloserve.gateway.worker_metrics import WorkerMetrics
 from kiloserve.policies.base import Decision, Policy, RequestInfo
 from kiloserve.policies.prefix_index import PrefixIndex
 from kiloserve.routing.router import Router
+from kiloserve.routing.shared_load import SharedLoad
 from kiloserve.routing.table import BackendTable
 
 __all__ = [
@@ -108,7 +109,7 @@ CTX_KEY = web.AppKey("kiloserve_gateway_ctx", ProxyContext)
 TABLE_KEY = web.AppKey("kiloserve_gateway_table", BackendTable)
 WORKER_METRICS_KEY = web.AppKey("kiloserve_gateway_worker_metrics", WorkerMetrics)
 # (the workers' shared scrapes, is this worker the scraper): set by gateway/cli.py
-SCRAPE_SHARE_KEY = web.AppKey("kiloserve_gateway_scrape_share", tuple[ScrapeShare, bool])
+SCRAPE_SHARE_KEY = web.AppKey("kiloserve_gateway_scrape_share", tuple[SharedLoad, bool])
 METRICS_KEY = web.AppKey("kiloserve_gateway_metrics", GatewayMetrics)
 _TASKS_KEY = web.AppKey("kiloserve_gateway_tasks", list)
 _SESSION_KEY = web.AppKey("kiloserve_gateway_session", aiohttp.ClientSession)

@@ -18,34 +18,21 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Protocol
 
 import aiohttp
 
 from kiloserve.routing.engine_metrics import EngineMetrics, parse_engine_metrics
-from kiloserve.routing.shared_load import SCRAPE_FAILED, SCRAPE_OK, SCRAPE_UNAVAILABLE
+from kiloserve.routing.shared_load import (
+    SCRAPE_FAILED,
+    SCRAPE_OK,
+    SCRAPE_UNAVAILABLE,
+    SharedLoad,
+)
 from kiloserve.routing.table import BackendTable
 
-__all__ = ["ScrapeShare", "scrape_loop"]
+__all__ = ["scrape_loop"]
 
 logger = logging.getLogger(__name__)
-
-
-class ScrapeShare(Protocol):
-    """Scrape outcomes shared by the gateway's workers (``routing.shared_load``)."""
-
-    def put_scrape(
-        self,
-        backend_id: str,
-        outcome: int,
-        now_s: float,
-        metrics: EngineMetrics | None = None,
-        reason: str = "",
-    ) -> None: ...
-
-    def get_scrape(
-        self, backend_id: str
-    ) -> tuple[int, float, EngineMetrics | None, str] | None: ...
 
 
 def _apply(
@@ -69,7 +56,7 @@ async def _scrape_backend(
     table: BackendTable,
     backend_id: str,
     timeout_s: float,
-    share: ScrapeShare | None = None,
+    share: SharedLoad | None = None,
 ) -> None:
     url = table.url_of(backend_id) + "/metrics"
     metrics: EngineMetrics | None = None
@@ -96,7 +83,7 @@ async def _scrape_backend(
 class _Follower:
     """A worker that is not the scraper: applies worker 0's published scrapes."""
 
-    def __init__(self, share: ScrapeShare, max_age_s: float) -> None:
+    def __init__(self, share: SharedLoad, max_age_s: float) -> None:
         self.share = share
         self.max_age_s = max_age_s
         self.applied: dict[str, float] = {}
@@ -131,7 +118,7 @@ async def scrape_loop(
     table: BackendTable,
     interval_s: float,
     timeout_s: float,
-    share: ScrapeShare | None = None,
+    share: SharedLoad | None = None,
     *,
     is_scraper: bool = True,
 ) -> None:
