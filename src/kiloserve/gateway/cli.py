@@ -16,15 +16,7 @@ import sys
 
 from aiohttp import web
 
-from kiloserve.gateway.admission.gate import FLOW_KEY
-from kiloserve.gateway.admission.ratelimit import LocalLimiter, SharedLimiter
-from kiloserve.gateway.app import (
-    SCRAPE_SHARE_KEY,
-    TABLE_KEY,
-    WORKER_METRICS_KEY,
-    create_gateway_app,
-    make_runner,
-)
+from kiloserve.gateway.app import create_gateway_app, make_runner
 from kiloserve.gateway.config import (
     BackendConfig,
     GatewayConfig,
@@ -33,8 +25,7 @@ from kiloserve.gateway.config import (
     parse_gateway_config,
 )
 from kiloserve.gateway.loop import LoopError, loop_factory
-from kiloserve.gateway.peers import PEERS_KEY
-from kiloserve.gateway.worker_metrics import WorkerMetrics
+from kiloserve.gateway.workers import attach_worker, run_workers
 from kiloserve.routing.shared_load import SharedLoad
 
 __all__ = ["add_arguments", "build_config", "run", "serve"]
@@ -113,18 +104,7 @@ async def serve(
     # the connection cap (gateway/limits.py)
     app = create_gateway_app(cfg)
     if shared is not None:
-        table = app[TABLE_KEY]
-        peers = app.get(PEERS_KEY)
-        if peers is not None:  # other gateways through Redis, siblings through memory
-            peers.join_workers(shared, instance=shared.name)
-        else:
-            table.shared = shared
-        shared.resync(table.state_or_none)  # the siblings' counts (no peers yet)
-        app[WORKER_METRICS_KEY] = WorkerMetrics(worker or 0, shared.ports, cfg.metrics_token)
-        app[SCRAPE_SHARE_KEY] = (shared, worker == 0)  # worker 0 scrapes for all
-        flow = app.get(FLOW_KEY)
-        if flow is not None and isinstance(flow.limiter, LocalLimiter):
-            flow.limiter = SharedLimiter(shared)  # one set of buckets for all workers
+        attach_worker(app, cfg, shared, worker or 0)
     runner = make_runner(app, cfg, shutdown_timeout=cfg.shutdown_grace_s)
     await runner.setup()
     try:
@@ -160,8 +140,6 @@ def run(args: argparse.Namespace) -> int:
     cfg = build_config(args)
     try:
         if cfg.workers > 1:
-            from kiloserve.gateway.workers import run_workers
-
             return run_workers(cfg, args.log_level)
         run_one(cfg)
     except LoopError as exc:

@@ -96,6 +96,7 @@ class PeerLoad:
         self._peers: dict[str, _Peer] = {}
         self._inbox: list[dict[str, Any]] = []
         self._forget_all = False
+        self._num_resyncs = 0
         self.connected = False
         self.num_sent = 0
         self.num_received = 0
@@ -126,13 +127,16 @@ class PeerLoad:
 
     def pull(self, state_of: Callable[[str], BackendState | None]) -> None:
         if self.inner is not None:
-            before = getattr(self.inner, "num_resyncs", 0)
+            before = self.inner.num_resyncs
             self.inner.pull(state_of)
-            if getattr(self.inner, "num_resyncs", 0) != before:  # it rebuilt the counters
-                for peer in self._peers.values():
-                    for bid, counts in peer.counts.items():
-                        _apply(state_of(bid), counts)
+            if self.inner.num_resyncs != before:  # it set the counters to the workers' sums
+                self._add_peers(state_of)
         self._drain(state_of)
+
+    def _add_peers(self, state_of: Callable[[str], BackendState | None]) -> None:
+        for peer in self._peers.values():
+            for bid, counts in peer.counts.items():
+                _apply(state_of(bid), counts)
 
     def _drain(self, state_of: Callable[[str], BackendState | None]) -> None:
         """Apply what arrived from the peers, forget the silent ones."""
@@ -151,9 +155,14 @@ class PeerLoad:
                             now - peer.last_seen_s)  # fmt: skip
                 self._forget(pid, state_of)
 
+    @property
+    def num_resyncs(self) -> int:
+        return self._num_resyncs
+
     def resync(self, state_of: Callable[[str], BackendState | None]) -> None:
         """After the inner share rebuilt the counters (or for a new backend): the
         peers' counts on top again."""
+        self._num_resyncs += 1
         if self.inner is not None:
             self.inner.resync(state_of)
         else:  # the counters are this process's own plus the peers'
@@ -164,9 +173,7 @@ class PeerLoad:
                     own = self._own.get(bid, _ZERO)
                     for f, attr in enumerate(FIELDS):
                         setattr(s, attr, own[f])
-        for peer in self._peers.values():
-            for bid, counts in peer.counts.items():
-                _apply(state_of(bid), counts)
+        self._add_peers(state_of)
 
     def set_draining(self, backend_id: str, draining: bool) -> None:
         if self.inner is not None:

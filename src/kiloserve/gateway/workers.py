@@ -32,10 +32,17 @@ import time
 from pathlib import Path
 from types import FrameType
 
+from aiohttp import web
+
+from kiloserve.gateway.admission.gate import FLOW_KEY
+from kiloserve.gateway.admission.ratelimit import LocalLimiter, SharedLimiter
+from kiloserve.gateway.app import SCRAPE_SHARE_KEY, TABLE_KEY, WORKER_METRICS_KEY
 from kiloserve.gateway.config import GatewayConfig, parse_gateway_config
+from kiloserve.gateway.peers import PEERS_KEY
+from kiloserve.gateway.worker_metrics import WorkerMetrics
 from kiloserve.routing.shared_load import FileLock, LoadLayout, SharedLoad
 
-__all__ = ["run_workers", "worker_main"]
+__all__ = ["attach_worker", "run_workers", "worker_main"]
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +166,27 @@ def _stop_all(workers: list[_Worker], grace_s: float) -> None:
         except subprocess.TimeoutExpired:
             w.proc.kill()
             w.proc.wait()
+
+
+def attach_worker(
+    app: web.Application, cfg: GatewayConfig, shared: SharedLoad, worker: int
+) -> None:
+    """Wire worker ``worker``'s gateway app to the segment, before it starts: the
+    table's counts and drains (through the peer channel's share when ``peers`` is on,
+    which then ignores its siblings), the merged ``/metrics``, the scrapes (worker 0
+    scrapes for all) and the rate-limit buckets."""
+    table = app[TABLE_KEY]
+    peers = app.get(PEERS_KEY)
+    if peers is not None:  # other gateways through Redis, siblings through memory
+        peers.join_workers(shared, instance=shared.name)
+    else:
+        table.shared = shared
+    shared.resync(table.state_or_none)  # the siblings' counts (no peers yet)
+    app[WORKER_METRICS_KEY] = WorkerMetrics(worker, shared.ports, cfg.metrics_token)
+    app[SCRAPE_SHARE_KEY] = (shared, worker == 0)
+    flow = app.get(FLOW_KEY)
+    if flow is not None and isinstance(flow.limiter, LocalLimiter):
+        flow.limiter = SharedLimiter(shared)
 
 
 def worker_main() -> int:

@@ -174,8 +174,8 @@ class SharedLoad:
     """One worker's handle on the segment (see the module docstring).
 
     ``create`` makes the segment (the supervisor); ``attach`` opens it in a worker.
-    ``lock`` is a cross-process lock (``multiprocessing.Lock``) for claiming slots and
-    drains, never taken on the hot path; None in a single process (tests).
+    ``lock`` is a cross-process lock (``FileLock``) for claiming slots, drains and the
+    rate-limit buckets, never taken on the hot path; None in a single process (tests).
     """
 
     def __init__(
@@ -198,9 +198,12 @@ class SharedLoad:
         self._slots: dict[str, int] = {}  # backend id -> slot (claimed)
         self._names: dict[int, str] = {}  # slot -> backend id
         self._cursors = [0] * layout.workers
+        # word offsets of every worker's block and ring (the hot path reads them)
+        self._bases = [layout.worker_at(w) for w in range(layout.workers)]
+        self._rings = [b + 2 + layout.slots * _NF for b in self._bases]
         self._admin_seen = -1
         self._full_warned = False
-        self.num_resyncs = 0
+        self._num_resyncs = 0
 
     # -- lifecycle -------------------------------------------------------------------
     @classmethod
@@ -240,6 +243,10 @@ class SharedLoad:
     @property
     def name(self) -> str:
         return self._shm.name
+
+    @property
+    def num_resyncs(self) -> int:
+        return self._num_resyncs
 
     def close(self) -> None:
         self._q.release()
@@ -302,15 +309,12 @@ class SharedLoad:
     # -- this worker's changes (hot path) --------------------------------------------
     def publish(self, backend_id: str, deltas: tuple[int, ...]) -> None:
         """Record this worker's change of ``FIELDS`` for a backend (zeros skipped)."""
-        slot = self._slots.get(backend_id)
+        slot = self.slot(backend_id)
         if slot is None:
-            slot = self.slot(backend_id)
-            if slot is None:
-                return
+            return
         q, lay = self._q, self.layout
-        base = lay.worker_at(self.worker)
+        base, ring = self._bases[self.worker], self._rings[self.worker]
         row = base + 2 + slot * _NF
-        ring = base + 2 + lay.slots * _NF
         i = q[base + 1]
         q[base] += 1  # odd: writing
         for f in range(_NF):
@@ -334,14 +338,13 @@ class SharedLoad:
         for w in range(lay.workers):
             if w == self.worker:
                 continue
-            base = lay.worker_at(w)
+            base, ring = self._bases[w], self._rings[w]
             end, start = q[base + 1], self._cursors[w]
             if end == start:
                 continue
             if end - start > lay.ring:
                 self.resync(state_of)
                 return
-            ring = base + 2 + lay.slots * _NF
             for i in range(start, end):
                 e = ring + (i % lay.ring) * _ENTRY
                 slot, f, d = q[e], q[e + 1], q[e + 2]
@@ -358,7 +361,7 @@ class SharedLoad:
     def _row_copy(self, w: int) -> tuple[int, list[int]]:
         """(write index, row) of worker ``w``, consistent with each other."""
         q, lay = self._q, self.layout
-        base = lay.worker_at(w)
+        base = self._bases[w]
         while True:
             seq = q[base]
             if seq % 2:
@@ -370,7 +373,7 @@ class SharedLoad:
 
     def resync(self, state_of: Callable[[str], BackendState | None]) -> None:
         """Rebuild this worker's counters from every worker's row (own row included)."""
-        self.num_resyncs += 1
+        self._num_resyncs += 1
         totals = [0] * (self.layout.slots * _NF)
         for w in range(self.layout.workers):
             end, row = self._row_copy(w)
@@ -379,11 +382,11 @@ class SharedLoad:
                 if v:
                     totals[k] += v
         for slot in range(self.layout.slots):
-            name = self._slot_name(slot) if any(totals[slot * _NF : slot * _NF + _NF]) else ""
-            if not name and slot not in self._names:
+            # a slot with counts, or one this worker knows (its counts may be back to 0)
+            if slot not in self._names and not any(totals[slot * _NF : slot * _NF + _NF]):
                 continue
-            name = name or self._names[slot]
-            s = state_of(name)
+            name = self._slot_name(slot)
+            s = state_of(name) if name else None
             if s is not None:
                 for f, attr in enumerate(FIELDS):
                     setattr(s, attr, totals[slot * _NF + f])
@@ -393,7 +396,7 @@ class SharedLoad:
         """Publish the negation of what this worker's row still counts (a dead worker
         that had this index); returns the number of slots retired."""
         q, lay = self._q, self.layout
-        base = lay.worker_at(self.worker)
+        base = self._bases[self.worker]
         retired = 0
         for slot in range(lay.slots):
             row = base + 2 + slot * _NF
@@ -401,7 +404,6 @@ class SharedLoad:
             if any(vals):
                 name = self._slot_name(slot)
                 if name:
-                    self._remember(slot, name)
                     self.publish(name, tuple(-v for v in vals))
                     retired += 1
         return retired
@@ -446,11 +448,9 @@ class SharedLoad:
 
     def get_scrape(self, backend_id: str) -> tuple[int, float, EngineMetrics | None, str] | None:
         """The last published scrape of a backend: (outcome, time, metrics, reason)."""
-        slot = self._slots.get(backend_id)
+        slot = self.slot(backend_id)
         if slot is None:
-            slot = self.slot(backend_id)
-            if slot is None:
-                return None
+            return None
         q, d = self._q, self._d
         at = self.layout.scrapes_at + slot * _SCRAPE_WORDS
         for _ in range(100):

@@ -113,6 +113,11 @@ class LoadShare(Protocol):
 
     def resync(self, state_of: Callable[[str], BackendState | None]) -> None: ...
 
+    @property
+    def num_resyncs(self) -> int:
+        """How often the counters were rebuilt (absolute values, not changes)."""
+        ...
+
     def set_draining(self, backend_id: str, draining: bool) -> None: ...
 
 
@@ -233,11 +238,9 @@ class BackendTable:
     # -- live counters (hot path) --------------------------------------------------
     def on_dispatch(self, backend_id: str, info: RequestInfo) -> None:
         state = self._records[backend_id].state
-        if self.shared is None:
-            note_dispatch(state, info)
-        else:
-            before = _load(state)
-            note_dispatch(state, info)
+        before = _load(state) if self.shared is not None else None
+        note_dispatch(state, info)
+        if before is not None:
             self._publish(state, before)
         if self.kv_cache is not None:
             self.kv_cache.in_flight.add(backend_id, info.prefix_hashes)
@@ -245,9 +248,9 @@ class BackendTable:
     def on_first_token(self, backend_id: str, info: RequestInfo, ttft_ms: float) -> None:
         rec = self._records.get(backend_id)
         if rec is not None:
-            before = _load(rec.state)
+            before = _load(rec.state) if self.shared is not None else None
             note_first_token(rec.state, info, ttft_ms)
-            if self.shared is not None:
+            if before is not None:
                 self._publish(rec.state, before)
 
     def on_complete(
@@ -258,9 +261,9 @@ class BackendTable:
         rec = self._records.get(backend_id)
         if rec is None:
             return
-        before = _load(rec.state)
+        before = _load(rec.state) if self.shared is not None else None
         note_complete(rec.state, info, outcome, had_first_token=had_first_token)
-        if self.shared is not None:
+        if before is not None:
             self._publish(rec.state, before)
         if rec.is_removing and rec.state.in_flight == 0:
             self._delete(backend_id)
@@ -272,16 +275,16 @@ class BackendTable:
         s = self.state_or_none(backend_id)
         if s is None:
             return
-        before = _load(s)
+        before = _load(s) if self.shared is not None else None
         s.admitted_in_flight = max(0, s.admitted_in_flight + in_flight)
         s.reserved_tokens = max(0, s.reserved_tokens + reserved)
         s.undispatched_tokens = max(0, s.undispatched_tokens + undispatched)
-        if self.shared is not None:
+        if before is not None:
             self._publish(s, before)
 
     def _publish(self, state: BackendState, before: tuple[int, ...]) -> None:
-        after = _load(state)
-        deltas = tuple(a - b for a, b in zip(after, before, strict=True))
+        """Hand ``shared`` the change the accounting just made (after minus before)."""
+        deltas = tuple(a - b for a, b in zip(_load(state), before, strict=True))
         if self.shared is not None and any(deltas):
             self.shared.publish(state.backend_id, deltas)
 
