@@ -25,6 +25,7 @@ Names understood (``field <- names``):
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 __all__ = ["PCIE_PEAK_BYTES_S", "EngineMetrics", "parse_engine_metrics", "parse_samples"]
@@ -95,19 +96,24 @@ def _split_sample(line: str) -> tuple[str, float] | None:
         return None
 
 
+def _samples(text: str, *, strip: bool = False) -> Iterator[tuple[str, str, float]]:
+    """(line, name, value) of every readable sample line (comments and blanks skipped);
+    ``strip``: lines may carry surrounding whitespace."""
+    for raw in text.splitlines():
+        line = raw.strip() if strip else raw
+        if not line or line[0] == "#":
+            continue
+        sample = _split_sample(line)
+        if sample is not None:
+            yield line, sample[0], sample[1]
+
+
 def parse_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
     """Every sample of a Prometheus text page as (name, labels, value), tolerantly: a
     line that cannot be read (or a comment) is skipped, a timestamp ignored. Label
     values are unquoted, not unescaped (enough for the names and ids we match on)."""
     out: list[tuple[str, dict[str, str], float]] = []
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line or line[0] == "#":
-            continue
-        sample = _split_sample(line)
-        if sample is None:
-            continue
-        name, value = sample
+    for line, name, value in _samples(text, strip=True):
         labels: dict[str, str] = {}
         brace = line.find("{")
         if brace >= 0:
@@ -129,13 +135,7 @@ def _engine_of(name: str) -> str | None:
 def _collect(text: str) -> tuple[dict[str, float], str | None]:
     values: dict[str, float] = {}
     engine: str | None = None
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        sample = _split_sample(line)
-        if sample is None:
-            continue
-        name, value = sample
+    for _, name, value in _samples(text):
         spec = _NAMES.get(name)
         if spec is None or value != value:  # unknown name or NaN
             continue
