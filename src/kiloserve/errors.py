@@ -14,6 +14,7 @@
         ├── UnauthorizedError        401 authentication_error    no / wrong API key or token
         ├── ForbiddenError           403 permission_error        model not allowed, admin remote
         ├── NotFoundError            404 not_found_error         unknown model / backend / URL
+        ├── ConflictError            409 conflict_error          a stale state move (S3.5)
         ├── MethodNotAllowedError    405 invalid_request_error   wrong method for a URL (Allow)
         ├── PayloadTooLargeError     413 invalid_request_error   body over max_body_bytes
         ├── TooManyRequestsError     429 rate_limit_error        rate limit (Retry-After)
@@ -45,6 +46,7 @@ __all__ = [
     "BadGatewayError",
     "CatalogError",
     "ConfigError",
+    "ConflictError",
     "DoctorError",
     "DoesNotFitError",
     "EtcdError",
@@ -74,6 +76,7 @@ ERROR_TYPES: Mapping[int, str] = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    409: "conflict_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     502: "upstream_error",
@@ -184,6 +187,13 @@ class ForbiddenError(RequestError):
 class NotFoundError(RequestError):
     status = 404
     err_type = "not_found_error"
+
+
+class ConflictError(RequestError):
+    """A state move names an expected version the state has moved past (S3.5)."""
+
+    status = 409
+    err_type = "conflict_error"
 
 
 class MethodNotAllowedError(RequestError):

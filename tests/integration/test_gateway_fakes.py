@@ -20,6 +20,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from kiloserve.engine.protocol import PROBE_HEADER
 from kiloserve.gateway.app import create_gateway_app
 from kiloserve.gateway.config import GatewayConfig, parse_gateway_config
 from kiloserve.policies.base import Policy
@@ -48,6 +49,7 @@ class FakeBackend:
     num_aborted: int = 0
     num_finished: int = 0
     num_metrics: int = 0  # GET /metrics answered
+    num_probes: int = 0  # the gateway's completion probes (not in bodies / headers)
     url: str = ""
     _runner: web.AppRunner | None = None
 
@@ -86,11 +88,19 @@ class FakeBackend:
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = orjson.loads(await request.read())
-        self.bodies.append(body)
-        self.headers.append({k.lower(): v for k, v in request.headers.items()})
+        is_probe = PROBE_HEADER in request.headers  # a health probe: not client traffic
+        if is_probe:
+            self.num_probes += 1
+        else:
+            self.bodies.append(body)
+            self.headers.append({k.lower(): v for k, v in request.headers.items()})
         if self.mode in ("500", "429", "400"):
             err = {"error": {"message": f"fake {self.mode}", "type": "fake", "code": 1}}
             return web.json_response(err, status=int(self.mode))
+        if is_probe:  # the mode applies, the counts (num_active...) do not
+            if self.mode == "hang":
+                await asyncio.sleep(3600)
+            return web.json_response(_completion(body, 1))
         self.num_active += 1
         try:
             if self.mode == "hang":

@@ -33,6 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weight", type=float, default=1.0, help="routing weight")
     parser.add_argument("--no-nvml", action="store_true", help="skip NVML node health")
     parser.add_argument(
+        "--dcgm-url",
+        help="node health (temperature, Xid, ECC, NVLink) from this dcgm-exporter page "
+        "instead of NVML, e.g. http://127.0.0.1:9400/metrics or a twin's /node/metrics; "
+        "also advertised to the gateway as the backend's node_metrics_url",
+    )
+    parser.add_argument(
         "--kv-events-endpoint",
         help="the engine's KV-event publisher for the gateway to subscribe to "
         "(tcp://host:port or ipc://path; docs/kv-events.md)",
@@ -51,11 +57,23 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         engine_url=url, etcd=list(args.etcd), name=args.name or parts.netloc,
         models=list(args.model), prefix=args.prefix, ttl_s=args.ttl, interval_s=args.interval,
         gpu=args.gpu, weight=args.weight, is_nvml_enabled=not args.no_nvml,
+        dcgm_url=_dcgm_url(args.dcgm_url),
         kv_events_endpoint=_kv_endpoint(args.kv_events_endpoint, "--kv-events-endpoint"),
         kv_events_replay_endpoint=_kv_endpoint(
             args.kv_events_replay_endpoint, "--kv-events-replay-endpoint"
         ),
     )  # fmt: skip
+
+
+def _dcgm_url(value: str | None) -> str | None:
+    """An http:// URL (the rule of ``BackendConfig.node_metrics_url``)."""
+    if value is None:
+        return None
+    try:
+        BackendConfig(url="http://x:1", node_metrics_url=value)
+    except ValidationError as exc:
+        raise ConfigError(f"--dcgm-url: {exc.errors()[0]['msg']}") from exc
+    return value
 
 
 def _kv_endpoint(value: str | None, flag: str) -> str | None:

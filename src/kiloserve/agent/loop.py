@@ -2,11 +2,12 @@
 
 Every ``interval_s``: GET the engine's ``/health``. While it answers 200 the agent keeps
 a lease (``ttl_s``) alive and its record under ``prefix + name`` up to date (models,
-node health from NVML; ``draining`` when the health score falls below
-``min_health_score``). After ``max_num_failures`` failed checks in a row it revokes the
-lease, which deletes the key at once; a killed agent's key goes when the lease runs
-out. On exit (SIGTERM / SIGINT) the lease is revoked. An unreachable etcd is retried
-every interval; the record is re-put on a new lease when the old one expired.
+node health from NVML or, with ``dcgm_url``, the node's dcgm-exporter; ``draining``
+when the health score falls below ``min_health_score``). After ``max_num_failures``
+failed checks in a row it revokes the lease, which deletes the key at once; a killed
+agent's key goes when the lease runs out. On exit (SIGTERM / SIGINT) the lease is
+revoked. An unreachable etcd is retried every interval; the record is re-put on a new
+lease when the old one expired.
 """
 
 from __future__ import annotations
@@ -15,15 +16,18 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 import orjson
 
+from kiloserve.agent.dcgm import read_dcgm
 from kiloserve.agent.nvml import health_score, read_nvml
-from kiloserve.errors import EtcdError
+from kiloserve.errors import ConflictError, EtcdError
 from kiloserve.gateway.config import BackendConfig
 from kiloserve.gateway.registry.etcd import EtcdClient
-from kiloserve.gateway.registry.record import RegistryRecord, encode_record
+from kiloserve.gateway.registry.moves import move_record, new_move_id
+from kiloserve.gateway.registry.record import RegistryRecord, decode_record, encode_record
 from kiloserve.gateway.registry.settings import DEFAULT_PREFIX
 
 __all__ = ["Agent", "AgentConfig"]
@@ -48,6 +52,7 @@ class AgentConfig:
     is_nvml_enabled: bool = True
     kv_events_endpoint: str | None = None  # the engine's KV-event publisher (docs/kv-events.md)
     kv_events_replay_endpoint: str | None = None
+    dcgm_url: str | None = None  # node health from this dcgm-exporter page, not NVML
 
 
 class Agent:
@@ -61,6 +66,7 @@ class Agent:
         self.lease_id = 0
         self._last_value = b""
         self._num_failures = 0
+        self.num_moves = 0  # state moves (record writes) applied in etcd
 
     async def _engine_ok(self) -> bool:
         try:
@@ -83,17 +89,24 @@ class Agent:
             return []
 
     async def _record(self) -> bytes:
-        nvml = await asyncio.to_thread(read_nvml) if self.cfg.is_nvml_enabled else None
+        nvml = await self._node_health()
         score = health_score(nvml)
         backend = BackendConfig(
             url=self.cfg.engine_url, name=self.cfg.name, models=await self._models(),
             gpu=self.cfg.gpu, weight=self.cfg.weight,
             kv_events_endpoint=self.cfg.kv_events_endpoint,
             kv_events_replay_endpoint=self.cfg.kv_events_replay_endpoint,
+            node_metrics_url=self.cfg.dcgm_url,
         )  # fmt: skip
         draining = score < self.cfg.min_health_score
         health = {"score": score, "nvml": nvml}
         return encode_record(RegistryRecord(backend, draining, health))
+
+    async def _node_health(self) -> dict[str, Any] | None:
+        """The node's GPUs from ``dcgm_url`` when set, else NVML (when enabled)."""
+        if self.cfg.dcgm_url is not None:
+            return await read_dcgm(self._session, self.cfg.dcgm_url, self.cfg.timeout_s)
+        return await asyncio.to_thread(read_nvml) if self.cfg.is_nvml_enabled else None
 
     async def _hold(self) -> None:
         """Engine healthy: make sure the lease lives and the record is current."""
@@ -104,10 +117,24 @@ class Agent:
             self.lease_id = await self._etcd.lease_grant(self.cfg.ttl_s)
         value = await self._record()
         if value != self._last_value:
-            await self._etcd.put(self.key, value, self.lease_id)
+            await self._write(value)
             if not self._last_value:
                 logger.info("registered %s at %s", self.cfg.engine_url, self.key)
             self._last_value = value
+
+    async def _write(self, value: bytes) -> None:
+        """Put the record as one state move (S3.5, ``registry/moves.py``): a
+        transaction on the key's revision, so a write never lands on top of one it did
+        not see; ``num_moves`` counts the applied ones."""
+        record = decode_record(value, self.key)
+        try:
+            result = await move_record(
+                self._etcd, self.key, lambda _current: record,
+                move_id=new_move_id(), lease_id=self.lease_id,
+            )  # fmt: skip
+        except ConflictError as exc:  # another writer keeps winning: next interval
+            raise EtcdError(str(exc)) from exc
+        self.num_moves += result.applied
 
     async def release(self) -> None:
         """Revoke the lease (deletes the key); quiet when etcd is gone."""

@@ -1,5 +1,9 @@
 """Node health from NVML (S3.3): GPU temperature, ECC and Xid counts -> a health score.
 
+``health_score`` also scores a dcgm-exporter page (``agent/dcgm.py``, ``--dcgm-url``),
+the only source of Xid events: NVML reports them through an event set this reader
+does not keep, so ``read_nvml`` leaves ``xid_events`` at 0.
+
 ``pynvml`` is optional: when it is missing (or no driver answers) ``read_nvml`` returns
 None and the agent reports ``"nvml": null`` (engine /health alone decides). Scoring is
 pure so it can be tested without a GPU.
@@ -10,16 +14,18 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-__all__ = ["MAX_TEMPERATURE_C", "health_score", "read_nvml"]
+__all__ = ["HOT_SCORE", "MAX_TEMPERATURE_C", "NVLINK_SCORE", "health_score", "read_nvml"]
 
 logger = logging.getLogger(__name__)
 
-MAX_TEMPERATURE_C = 90.0
+MAX_TEMPERATURE_C = 90.0  # the gateway's node threshold too (routing/node_metrics.py)
+HOT_SCORE = 0.25  # below the agent's min_health_score (0.5): an overheated GPU drains
+NVLINK_SCORE = 0.75  # NVLink CRC errors: a degraded link, reported but not drained
 
 
 def health_score(nvml: dict[str, Any] | None) -> float:
-    """1.0 healthy .. 0.0 drain: uncorrected ECC errors or Xid events drain at once, heat
-    above ``MAX_TEMPERATURE_C`` halves the score."""
+    """1.0 healthy .. 0.0 drain: uncorrected ECC errors or Xid events score 0, a GPU at
+    or above ``MAX_TEMPERATURE_C`` ``HOT_SCORE``, NVLink CRC errors ``NVLINK_SCORE``."""
     if not nvml:
         return 1.0
     score = 1.0
@@ -27,8 +33,10 @@ def health_score(nvml: dict[str, Any] | None) -> float:
         if gpu.get("ecc_uncorrected", 0) or gpu.get("xid_events", 0):
             return 0.0
         temp = gpu.get("temperature_c")
-        if isinstance(temp, (int, float)) and temp > MAX_TEMPERATURE_C:
-            score = min(score, 0.5)
+        if isinstance(temp, (int, float)) and temp >= MAX_TEMPERATURE_C:
+            score = min(score, HOT_SCORE)
+        if gpu.get("has_nvlink_errors"):
+            score = min(score, NVLINK_SCORE)
     return score
 
 

@@ -78,6 +78,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="JSON",
         help='thermal throttling, e.g. \'{"throttle_at_c": 80, "factor": 2}\' ({} = defaults)',
     )
+    node = parser.add_argument_group("node faults (the node page, GET /node/metrics)")
+    node.add_argument("--pcie-saturation", type=float, default=0.0, help="PCIe share taken")
+    node.add_argument(
+        "--nvlink-degrade-at-c", type=float, help="NVLink at half width at or above this (C)"
+    )
+    node.add_argument("--xid", type=int, default=0, help="the Xid the GPU reports (0: none)")
+    node.add_argument("--ecc-dbe-errors", type=int, default=0, help="uncorrectable ECC errors")
 
 
 def _thermal_arg(text: str) -> ThermalFault:
@@ -97,6 +104,10 @@ def config_from_args(args: argparse.Namespace) -> TwinConfig:
         is_hang=args.hang,
         stall_after_tokens=args.stall_after_tokens,
         thermal=args.thermal,
+        pcie_saturation=args.pcie_saturation,
+        nvlink_degrade_at_c=args.nvlink_degrade_at_c,
+        xid=args.xid,
+        ecc_dbe_errors=args.ecc_dbe_errors,
     )
     return TwinConfig(
         gpu=args.gpu,

@@ -12,6 +12,13 @@ replaces the whole active set (keys left out are off, so ``{}`` clears every fau
     {"crash": true}                       the process exits (code 1) after answering 200
     {"thermal": {"throttle_at_c": 83, "factor": 2.0}}
                                           thermal throttling (S3.7): see ``ThermalFault``
+    {"pcie_saturation": 0.9}              other traffic fills 90% of the PCIe link
+    {"nvlink_degrade_at_c": 75}           NVLink at half width while >= 75 C (seed 004)
+    {"xid": 79}                           the GPU reports Xid 79 (an Xid burst)
+    {"ecc_dbe_errors": 2}                 2 volatile double-bit (uncorrectable) ECC errors
+
+The last four move only the twin's node page (``GET /node/metrics``,
+``engine/node_metrics.py``: what a dcgm-exporter beside the engine would report).
 
 ``GET /admin/faults`` answers the active set in the same form (``{}`` when none), so
 its output can be posted back. Error draws use a ``random.Random`` seeded at start-up,
@@ -31,7 +38,10 @@ from kiloserve.errors import RequestError
 __all__ = ["FaultInjector", "FaultSet", "ThermalFault", "ThermalModel"]
 
 MAX_SLOWDOWN = 10_000.0
-_KEYS = ("slowdown", "error_rate", "status", "hang", "stall_after_tokens", "crash", "thermal")
+_KEYS = (
+    "slowdown", "error_rate", "status", "hang", "stall_after_tokens", "crash", "thermal",
+    "pcie_saturation", "nvlink_degrade_at_c", "xid", "ecc_dbe_errors",
+)  # fmt: skip
 _THERMAL_KEYS = (
     "throttle_at_c", "resume_at_c", "factor", "ambient_c", "load_c", "time_constant_s",
 )  # fmt: skip
@@ -182,6 +192,10 @@ class FaultSet:
     stall_after_tokens: int | None = None
     is_crash: bool = False
     thermal: ThermalFault | None = None
+    pcie_saturation: float = 0.0  # share of the PCIe link other traffic takes
+    nvlink_degrade_at_c: float | None = None  # NVLink at half width at or above this
+    xid: int = 0  # the last Xid the GPU reports (0: none)
+    ecc_dbe_errors: int = 0  # volatile double-bit ECC errors
 
     def __post_init__(self) -> None:
         if not 0 < self.slowdown <= MAX_SLOWDOWN:
@@ -194,6 +208,20 @@ class FaultSet:
             raise RequestError("status must be an HTTP error status (400-599)", param="status")
         if self.stall_after_tokens is not None and self.stall_after_tokens < 0:
             raise RequestError("stall_after_tokens must be >= 0", param="stall_after_tokens")
+        self._check_node_faults()
+
+    def _check_node_faults(self) -> None:
+        if not 0.0 <= self.pcie_saturation <= 1.0:
+            raise RequestError("pcie_saturation must be within [0, 1]", param="pcie_saturation")
+        degrade_c = self.nvlink_degrade_at_c
+        if degrade_c is not None and not -50.0 <= degrade_c <= MAX_TEMPERATURE_C:
+            raise RequestError(
+                "nvlink_degrade_at_c must be within [-50, 200] C", param="nvlink_degrade_at_c"
+            )
+        if not 0 <= self.xid <= 65_535:
+            raise RequestError("xid must be an Xid code in [0, 65535] (0: none)", param="xid")
+        if self.ecc_dbe_errors < 0:
+            raise RequestError("ecc_dbe_errors must be >= 0", param="ecc_dbe_errors")
 
     @classmethod
     def from_json(cls, body: object) -> FaultSet:
@@ -211,6 +239,10 @@ class FaultSet:
             stall_after_tokens=_opt_integer(body, "stall_after_tokens"),
             is_crash=_flag(body, "crash"),
             thermal=_opt_thermal(body),
+            pcie_saturation=_number(body, "pcie_saturation", 0.0),
+            nvlink_degrade_at_c=_opt_number(body, "nvlink_degrade_at_c"),
+            xid=_integer(body, "xid", 0),
+            ecc_dbe_errors=_integer(body, "ecc_dbe_errors", 0),
         )
 
     def to_json(self) -> dict[str, object]:
@@ -227,6 +259,13 @@ class FaultSet:
             out["stall_after_tokens"] = self.stall_after_tokens
         if self.thermal is not None:
             out["thermal"] = self.thermal.to_json()
+        node: dict[str, object] = {
+            "pcie_saturation": self.pcie_saturation,
+            "nvlink_degrade_at_c": self.nvlink_degrade_at_c,
+            "xid": self.xid,
+            "ecc_dbe_errors": self.ecc_dbe_errors,
+        }
+        out.update((k, v) for k, v in node.items() if v)
         return out
 
 
@@ -242,6 +281,10 @@ def _integer(body: dict[str, object], key: str, default: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise RequestError(f"'{key}' must be an integer", param=key)
     return value
+
+
+def _opt_number(body: dict[str, object], key: str) -> float | None:
+    return None if body.get(key) is None else _number(body, key, 0.0)
 
 
 def _opt_integer(body: dict[str, object], key: str) -> int | None:
@@ -277,6 +320,7 @@ class FaultInjector:
         self._clock = clock
         self.faults = FaultSet()
         self.thermal: ThermalModel | None = None
+        self.busy_s_total = 0.0  # modelled GPU busy time (the node page's utilisation)
         self.replace(faults if faults is not None else FaultSet())
 
     def replace(self, faults: FaultSet) -> None:
@@ -303,6 +347,7 @@ class FaultInjector:
 
     def on_step(self, start_s: float, end_s: float) -> None:
         """The twin loop stepped (GPU busy) over ``[start_s, end_s]``."""
+        self.busy_s_total += max(0.0, end_s - start_s)
         if self.thermal is not None:
             self.thermal.busy(start_s, end_s)
 

@@ -190,6 +190,15 @@ class TwinMetrics:
             registry=reg,
         )
 
+    def set_cache_config(self, config: dict[str, str]) -> None:
+        """vLLM's ``vllm:cache_config_info`` (its cache config as labels, value 1), which
+        a gateway's inventory reads (``gateway/inventory.py``)."""
+        info = Gauge(
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+            sorted(config), registry=self.registry,
+        )  # fmt: skip
+        info.labels(**config).set(1)
+
     def _histogram(self, name: str, buckets: tuple[float, ...], labels: list[str]) -> Histogram:
         doc = f"Histogram of {name.removeprefix('vllm:').replace('_', ' ')}."
         family = Histogram(name, doc, _LABELS, buckets=buckets, registry=self.registry)

@@ -35,6 +35,7 @@ from kiloserve.tokens import FILLER_WORDS, tokenize
 
 __all__ = [
     "DONE_EVENT",
+    "PROBE_HEADER",
     "ChunkEncoder",
     "GenerationRequest",
     "TokenizeFn",
@@ -50,6 +51,10 @@ __all__ = [
     "render_chat",
     "render_chat_body",
 ]
+
+# a gateway health probe (gateway/resilience/prober.py): the twin leaves such requests
+# out of its counters and histograms, so probes never show in user-facing stats
+PROBE_HEADER = "x-kiloserve-probe"
 
 TokenizeFn = Callable[[str], list[int]]
 RequestKind = Literal["completion", "chat"]

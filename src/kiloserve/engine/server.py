@@ -5,7 +5,8 @@ tests run it in-process); ``run_twin(config)`` serves it until SIGINT / SIGTERM.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (stream and not),
 ``GET /v1/models``, ``GET /health``, ``POST /tokenize``, ``GET /version``,
-``GET /metrics``, ``GET|POST /admin/faults``. Every error is an OpenAI-style JSON body;
+``GET /metrics``, ``GET /node/metrics`` (the node's dcgm-exporter stand-in,
+``engine/node_metrics.py``), ``GET|POST /admin/faults``. Every error is an OpenAI-style JSON body;
 bad input is a 4xx, and anything unexpected a 500 JSON (never a bare traceback).
 
 KV-cache events (``TwinConfig.kv_events_endpoint``): the app's start-up binds the
@@ -39,6 +40,7 @@ from kiloserve.engine.core import StepTimer
 from kiloserve.engine.faults import FaultSet
 from kiloserve.engine.protocol import (
     DONE_EVENT,
+    PROBE_HEADER,
     ChunkEncoder,
     GenerationRequest,
     TokenizeFn,
@@ -128,11 +130,14 @@ def _check_model(twin: Twin, model: str | None) -> None:
         raise NotFoundError(f"The model `{model}` does not exist.", param="model")
 
 
-async def _submit(twin: Twin, gen: GenerationRequest, entry: Watched) -> RequestStream:
+async def _submit(
+    twin: Twin, gen: GenerationRequest, entry: Watched, is_probe: bool = False
+) -> RequestStream:
     num_out, finish = plan_output(gen, twin.max_model_len)
     stream = await twin.loop.submit(
-        gen.prompt_token_ids, num_out, finish, is_notify_each_step=gen.is_stream
-    )
+        gen.prompt_token_ids, num_out, finish, is_notify_each_step=gen.is_stream,
+        is_probe=is_probe,
+    )  # fmt: skip
     entry.stream = stream
     if entry.gone.is_set():
         twin.loop.abort(stream)
@@ -154,7 +159,7 @@ async def _generate(request: web.Request, parser: Parser) -> web.StreamResponse:
             return _error(status, "injected fault (kiloserve engine twin)", err_type)
         gen = parser(body, twin.tokenize)
         _check_model(twin, gen.model)
-        stream = await _submit(twin, gen, entry)
+        stream = await _submit(twin, gen, entry, PROBE_HEADER in request.headers)
         if gen.is_stream:
             return await _send_stream(request, twin, gen, stream, entry)
         return await _send_full(twin, gen, stream)
@@ -291,6 +296,13 @@ async def metrics(request: web.Request) -> web.Response:
     )
 
 
+async def node_metrics(request: web.Request) -> web.Response:
+    body = request.app[TWIN_KEY].node.render()
+    return web.Response(
+        body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
+    )
+
+
 def _admin_guard(token: str | None, policy: HostPolicy, handler: _Handler) -> _Handler:
     """The bearer token (when set), then the browser checks of ``kiloserve.httpguard``."""
 
@@ -377,6 +389,7 @@ def create_app(
     app.router.add_get("/version", version)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/node/metrics", node_metrics)
     app.router.add_get("/admin/faults", _admin_guard(admin_token, policy, get_faults))
     app.router.add_post("/admin/faults", _admin_guard(admin_token, policy, post_faults))
     return app

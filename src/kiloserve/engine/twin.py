@@ -38,6 +38,7 @@ from kiloserve.catalog import get_gpu, get_model
 from kiloserve.engine.core import EngineCore, StepTimer
 from kiloserve.engine.faults import FaultInjector, FaultSet
 from kiloserve.engine.metrics import EngineStats, LagTracker, TwinMetrics, read_engine_stats
+from kiloserve.engine.node_metrics import NodeModel
 from kiloserve.engine.protocol import TokenizeFn, load_tokenizer
 from kiloserve.engine.sequence import Sequence
 from kiloserve.engine.setup import engine_config_for
@@ -94,6 +95,7 @@ class RequestStream:
     num_prompt_tokens: int
     arrival_s: float
     is_notify_each_step: bool = True
+    is_probe: bool = False  # a gateway health probe: left out of the metrics
     num_generated_tokens: int = 0
     finish_reason: str | None = None
     last_token_s: float | None = None
@@ -126,6 +128,25 @@ class RequestStream:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+
+class _NoMetrics:
+    """Where a probe's metrics go: nowhere."""
+
+    def on_scheduled(self, queue_s: float) -> None:
+        return None
+
+    def on_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:
+        return None
+
+    def on_tokens(self, num_tokens: int, itl_s: float | None) -> None:
+        return None
+
+    def on_finished(self, finished_reason: str, e2e_s: float) -> None:
+        return None
+
+
+_NO_METRICS = _NoMetrics()
 
 
 class _HasTransport(Protocol):
@@ -234,14 +255,18 @@ class TwinLoop:
         stop_reason: str,
         *,
         is_notify_each_step: bool = True,
+        is_probe: bool = False,
     ) -> RequestStream:
-        """Queue a request (after the modelled API overhead) and return its stream."""
+        """Queue a request (after the modelled API overhead) and return its stream; a
+        probe's (``is_probe``) tokens and finish are left out of the metrics."""
         if self.failure is not None:
             raise RuntimeError("the engine twin loop has failed") from self.failure
         arrival_s = self._clock()
         self._num_requests += 1
         seq_id = f"seq-{self._num_requests}"
-        stream = RequestStream(seq_id, len(prompt_token_ids), arrival_s, is_notify_each_step)
+        stream = RequestStream(
+            seq_id, len(prompt_token_ids), arrival_s, is_notify_each_step, is_probe
+        )
         self._streams[seq_id] = stream
         seq = Sequence(
             seq_id,
@@ -271,7 +296,7 @@ class TwinLoop:
                 self._core.abort(stream.seq_id)
         now_s = self._clock()
         stream.finish_reason = "abort"
-        self._metrics.on_finished("abort", now_s - stream.arrival_s)
+        self._metrics_of(stream).on_finished("abort", now_s - stream.arrival_s)
         stream.notify()
 
     async def _run(self) -> None:
@@ -322,7 +347,7 @@ class TwinLoop:
         for seq in started:
             stream = self._streams.get(seq.seq_id)
             if stream is not None:
-                self._metrics.on_scheduled(max(0.0, start_s - stream.arrival_s))
+                self._metrics_of(stream).on_scheduled(max(0.0, start_s - stream.arrival_s))
 
     @staticmethod
     def _publish_kv_events(kv_events: tuple[KvEventLog, KvEventPublisher]) -> None:
@@ -337,13 +362,16 @@ class TwinLoop:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), timeout_s)
 
+    def _metrics_of(self, stream: RequestStream) -> TwinMetrics | _NoMetrics:
+        return _NO_METRICS if stream.is_probe else self._metrics
+
     def _deliver(self, result: StepResultLike, now_s: float) -> None:
         streams = self._streams
-        metrics = self._metrics
         for seq_id, num_new in result.new_tokens.items():
             stream = streams.get(seq_id)
             if stream is None or num_new <= 0:
                 continue
+            metrics = self._metrics_of(stream)
             if stream.last_token_s is None:
                 metrics.on_first_token(now_s - stream.arrival_s, stream.num_prompt_tokens)
                 metrics.on_tokens(num_new, None)
@@ -359,7 +387,7 @@ class TwinLoop:
                 continue
             reason = seq.finish_reason or seq.stop_reason
             stream.finish_reason = reason
-            metrics.on_finished(reason, now_s - stream.arrival_s)
+            self._metrics_of(stream).on_finished(reason, now_s - stream.arrival_s)
             stream.notify()
 
 
@@ -400,6 +428,7 @@ class Twin:
     metrics: TwinMetrics
     faults: FaultInjector
     created_s: int
+    node: NodeModel  # the node page (GET /node/metrics): a dcgm-exporter stand-in
     kv_publisher: KvEventPublisher | None = None  # started and closed by the server
 
 
@@ -429,6 +458,11 @@ def build_twin(config: TwinConfig, timer: StepTimer | None = None) -> Twin:
     faults = FaultInjector(config.faults, config.seed)
     stats_fn = functools.partial(read_engine_stats, core)
     metrics = TwinMetrics(name, stats_fn, faults.thermal_reading)
+    metrics.set_cache_config({
+        "block_size": str(engine_config.block_size), "cache_dtype": "auto",
+        "enable_prefix_caching": "True", "num_gpu_blocks": str(engine_config.num_blocks),
+        "gpu_memory_utilization": str(config.gpu_memory_utilization),
+    })  # fmt: skip
     overhead_s = config.api_overhead_s
     if overhead_s is None:
         overhead_s = float(getattr(timer, "per_request_api_overhead_s", 0.0))
@@ -445,9 +479,11 @@ def build_twin(config: TwinConfig, timer: StepTimer | None = None) -> Twin:
     tokenizer = load_tokenizer(config.tokenizer_path)
     created_s = int(time.time())
     publisher = kv_events[1] if kv_events is not None else None
+    node = NodeModel(gpu, config.tp, ledger.kv_bytes_per_token_per_gpu, stats_fn, faults)
     return Twin(
-        config, name, ledger.max_model_len, tokenizer, loop, metrics, faults, created_s, publisher
-    )
+        config, name, ledger.max_model_len, tokenizer, loop, metrics, faults, created_s, node,
+        publisher,
+    )  # fmt: skip
 
 
 def _kv_events_for(

@@ -11,14 +11,19 @@ middleware (``gateway/errors.py``).
 
 * ``GET  /admin/backends``               live state and weights of every backend
 * ``POST /admin/backends/{name}/drain``   stop routing new requests to a backend
-* ``POST /admin/backends/{name}/undrain`` route to it again
+* ``POST /admin/backends/{name}/undrain`` route to it again; both take an optional JSON
+  body ``{"move_id": UUID, "expected_version": N}`` (S3.5, ``registry/moves.py``): a
+  repeated ``move_id`` is a no-op, a stale ``expected_version`` a 409; the answer
+  carries ``applied`` and the backend's move ``version``
+* ``POST /admin/reload``                  reload the config file (``gateway/reload.py``)
 * ``GET  /admin/config``                  the effective config, secrets redacted, plus
   ``kv_events`` (per publishing backend: mode, endpoints, counters, blocks;
   docs/kv-events.md) and ``tokenizer_modes`` (model -> exact / approximate)
 
 Both GET answers carry ``"deployment": {"version", "config_hash"}`` (S5.5): the
 kiloserve version and a hash of the effective config (the same values as the
-``kiloserve_gateway_info`` metric); each backend row names its models, version and GPU.
+``kiloserve_gateway_info`` metric); each backend row names its models, version and GPU,
+and the engine's kind, version, model root and context length (``gateway/inventory.py``).
 
 ``add_admin_routes`` also guards ``GET /metrics`` with ``metrics_token`` when one is
 set, and warns once when the gateway binds a non-loopback address with neither API
@@ -32,6 +37,7 @@ import ipaddress
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -39,12 +45,15 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
 from kiloserve import __version__
-from kiloserve.errors import ForbiddenError
+from kiloserve.errors import ForbiddenError, RequestError
 from kiloserve.gateway.config import GatewayConfig
+from kiloserve.gateway.registry.moves import MoveLedger, parse_move
 from kiloserve.httpguard import HostPolicy, check_bearer, check_browser_request, is_loopback_host
 from kiloserve.routing.table import BackendTable
 
 __all__ = [
+    "LIVE_CONFIG_KEY",
+    "LiveConfig",
     "add_admin_routes",
     "check_browser",
     "config_hash",
@@ -56,6 +65,19 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _Handler = Callable[[web.Request], Awaitable[web.Response]]
+
+
+@dataclass(slots=True)
+class LiveConfig:
+    """The config the gateway runs now and its policy's name; a reload swaps them and
+    sets ``reload`` (``gateway/reload.py``), which ``POST /admin/reload`` calls."""
+
+    cfg: GatewayConfig
+    policy_name: str
+    reload: Callable[[], Awaitable[dict[str, Any]]] | None = None
+
+
+LIVE_CONFIG_KEY = web.AppKey("kiloserve_gateway_live_config", LiveConfig)
 
 
 def is_loopback(remote: str | None) -> bool:
@@ -133,6 +155,17 @@ def _json(data: object) -> web.Response:
     return web.Response(body=orjson.dumps(data), content_type="application/json")
 
 
+async def _json_body(request: web.Request) -> Any:
+    """The request's JSON body; None when it has none (400 when it is not JSON)."""
+    raw = await request.read()
+    if not raw.strip():
+        return None
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise RequestError(f"invalid JSON body: {exc}", code="invalid_json") from exc
+
+
 def add_admin_routes(
     app: web.Application,
     cfg: GatewayConfig,
@@ -147,19 +180,23 @@ def add_admin_routes(
     ``kv_events`` and ``tokenizer_modes`` are read for each ``GET /admin/config``."""
     token = cfg.effective_admin_token()
     policy = host_policy(cfg)
-    deployment = deployment_record(cfg)
+    live = app[LIVE_CONFIG_KEY] = LiveConfig(cfg, policy_name)
+    moves = MoveLedger()
     _warn_if_open(cfg, token)
     if cfg.metrics_token:
         app.middlewares.append(_metrics_token_middleware(cfg.metrics_token))
 
     async def backends(request: web.Request) -> web.Response:
         rows = table.describe(time.monotonic())
-        return _json({"policy": policy_name, "deployment": deployment, "backends": rows})
+        for row in rows:
+            row["move_version"] = moves.version(row["name"])
+        deployment = deployment_record(live.cfg)
+        return _json({"policy": live.policy_name, "deployment": deployment, "backends": rows})
 
     async def config(request: web.Request) -> web.Response:
         return _json({
-            **cfg.redacted(),
-            "deployment": deployment,
+            **live.cfg.redacted(),
+            "deployment": deployment_record(live.cfg),
             "kv_events": dict(kv_events()),
             "tokenizer_modes": dict(tokenizer_modes()),
         })  # fmt: skip
@@ -167,8 +204,10 @@ def add_admin_routes(
     def drain_handler(draining: bool) -> _Handler:
         async def handler(request: web.Request) -> web.Response:
             name = request.match_info["name"]
-            table.set_draining(name, draining)  # NotFoundError (404) for an unknown backend
-            return _json({"name": name, "draining": draining})
+            table.record(name)  # NotFoundError (404) for an unknown backend
+            move_id, expected = parse_move(await _json_body(request))
+            result = moves.move(name, move_id, expected, lambda: table.set_draining(name, draining))
+            return _json({"name": name, "draining": draining, **result.as_json()})
 
         return handler
 
@@ -179,3 +218,10 @@ def add_admin_routes(
     app.router.add_get("/admin/config", guard(config))
     app.router.add_post("/admin/backends/{name:.+}/drain", guard(drain_handler(True)))
     app.router.add_post("/admin/backends/{name:.+}/undrain", guard(drain_handler(False)))
+
+    async def reload(request: web.Request) -> web.Response:
+        if live.reload is None:
+            raise RequestError("this gateway cannot reload its config", code="reload_unavailable")
+        return _json(await live.reload())
+
+    app.router.add_post("/admin/reload", guard(reload))

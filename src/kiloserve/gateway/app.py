@@ -49,7 +49,7 @@ from kiloserve.errors import (
     UnavailableError,
     clip,
 )
-from kiloserve.gateway.admin import add_admin_routes, config_hash
+from kiloserve.gateway.admin import LIVE_CONFIG_KEY, add_admin_routes, config_hash
 from kiloserve.gateway.admission.gate import FLOW_KEY, install_flow_control
 from kiloserve.gateway.config import GatewayConfig
 from kiloserve.gateway.dashboard import add_dashboard_routes
@@ -57,13 +57,16 @@ from kiloserve.gateway.dashboard_state import DashboardRecorder
 from kiloserve.gateway.errors import ProtocolErrorLog, error_middleware
 from kiloserve.gateway.headers import REQUEST_ID_HEADER
 from kiloserve.gateway.heap import load_malloc_trim, trim_loop
+from kiloserve.gateway.inventory import install_inventory
 from kiloserve.gateway.kvevents import KvEventSubscriber
 from kiloserve.gateway.limits import BodyBudget, accept_error_filter, make_runner
 from kiloserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from kiloserve.gateway.output_history import install_output_history
 from kiloserve.gateway.peers import install_peers
 from kiloserve.gateway.profile import Profiler
 from kiloserve.gateway.proxy import ProxyContext, forward
 from kiloserve.gateway.registry.watch import start_registry
+from kiloserve.gateway.reload import RELOAD_KEY, Reloader
 from kiloserve.gateway.resilience.manager import Resilience
 from kiloserve.gateway.scrape import scrape_loop
 from kiloserve.gateway.upstream import UpstreamPool
@@ -277,18 +280,24 @@ def _check_stream_fields(body: dict[str, Any]) -> None:
         )
 
 
-def _parse_body(raw: bytes) -> dict[str, Any]:
+def _parse_body(
+    raw: bytes, pick: Callable[[dict[str, Any], Any], bool], headers: Any
+) -> tuple[dict[str, Any], bytes]:
+    """(body, the bytes to send on): ``pick`` may set the model from a header or a
+    verified JWT claim (gateway/model_select.py); then the body is re-encoded."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise RequestError(f"invalid JSON body: {exc}", code="invalid_json") from exc
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object", code="invalid_json")
+    if pick(body, headers):
+        raw = orjson.dumps(body)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise RequestError("you must provide a 'model' parameter", param="model")
     _check_stream_fields(body)
-    return body
+    return body, raw
 
 
 def _check_model(model: str, table: BackendTable) -> None:
@@ -322,12 +331,12 @@ async def _proxy(request: web.Request, path: str) -> web.StreamResponse:
             if size <= cfg.profile_offload_bytes and not (  # the hot path: all synchronous
                 size > EXACT_OFFLOAD_BYTES and ctx.profiler.has_tokenizers
             ):
-                body = _parse_body(raw)
+                body, sent = _parse_body(raw, ctx.profiler.pick_model, request.headers)
                 _check_model(body["model"], ctx.table)
                 info = ctx.profiler.profile(rid, body, request.headers)
             else:  # a large prompt: let other requests run between the long steps
                 await asyncio.sleep(0)
-                body = _parse_body(raw)
+                body, sent = _parse_body(raw, ctx.profiler.pick_model, request.headers)
                 _check_model(body["model"], ctx.table)
                 await asyncio.sleep(0)
                 info = await ctx.profiler.profile_async(rid, body, request.headers)
@@ -338,7 +347,7 @@ async def _proxy(request: web.Request, path: str) -> web.StreamResponse:
             raise
 
         def dispatch(decision: Decision | None) -> Awaitable[web.StreamResponse]:
-            return _dispatch(request, path, body, raw, info, decision)
+            return _dispatch(request, path, body, sent, info, decision)
 
         if flow is not None:
             return await flow.guard(info, key, dispatch)
@@ -456,7 +465,8 @@ async def _on_startup(app: web.Application) -> None:
     tasks = app[_TASKS_KEY]
     if _needs_discovery(ctx.table):
         await _discover_once(session, ctx.table, cfg.connect_timeout_s)
-        tasks.append(asyncio.create_task(_discovery_loop(session, ctx.table, cfg)))
+    # always: a reload may add backends to discover (gateway/reload.py)
+    tasks.append(asyncio.create_task(_discovery_loop(session, ctx.table, cfg)))
     share = app.get(SCRAPE_SHARE_KEY)  # --workers N: worker 0 scrapes for all (scrape.py)
     scraping = scrape_loop(
         session, ctx.table, cfg.scrape_interval_s, cfg.scrape_timeout_s,
@@ -570,9 +580,16 @@ def create_gateway_app(cfg: GatewayConfig, *, policy: Policy | None = None) -> w
     )
     add_dashboard_routes(app, ctx, app[RESILIENCE_KEY].describe)
     install_flow_control(app, ctx, cfg)
+    app[RELOAD_KEY] = Reloader(  # POST /admin/reload and SIGHUP (gateway/reload.py)
+        ctx, app[LIVE_CONFIG_KEY], app[BODY_BUDGET_KEY], app[RESILIENCE_KEY],
+        lambda: app.get(FLOW_KEY),
+        lambda p: setattr(gw_metrics, "prefix_index_fill", _prefix_index_fill(p)),
+    )  # fmt: skip
     peers_url = cfg.peers_redis_url()
     if cfg.peers.enabled and peers_url is not None:  # gateway/peers.py
         install_peers(app, cfg.peers, peers_url, table, gw_metrics.registry)
+    install_output_history(app, cfg, profiler, gw_metrics.registry)  # shared through Redis
+    install_inventory(app, table, cfg)  # engine and model versions (S5.5)
     app.on_startup.append(_on_startup)
     app.on_cleanup.append(_on_cleanup)
     return app

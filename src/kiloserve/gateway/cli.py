@@ -2,7 +2,8 @@
 
 ``--backend`` (repeatable) adds a backend whose models are discovered from its
 ``/v1/models``, so a quick start needs no YAML. ``--port 0`` picks a free port; the
-URL actually bound is logged and printed.
+URL actually bound is logged and printed. SIGHUP (or ``POST /admin/reload``) reads the
+file and the flags again and applies what can change live (``gateway/reload.py``).
 """
 
 from __future__ import annotations
@@ -11,8 +12,11 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -25,10 +29,11 @@ from kiloserve.gateway.config import (
     parse_gateway_config,
 )
 from kiloserve.gateway.loop import LoopError, loop_factory
+from kiloserve.gateway.reload import RELOAD_KEY, install_signal
 from kiloserve.gateway.workers import attach_worker, run_workers
 from kiloserve.routing.shared_load import SharedLoad
 
-__all__ = ["add_arguments", "build_config", "run", "serve"]
+__all__ = ["add_arguments", "build_config", "reload_args", "run", "serve"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,18 +85,26 @@ def build_config(args: argparse.Namespace) -> GatewayConfig:
     return parse_gateway_config(merged.model_dump(), source="gateway flags")
 
 
+def reload_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags ``build_config`` reads, as JSON (a worker rebuilds its config from them)."""
+    names = ("config", "backend", "policy", "host", "port", "loop", "workers")
+    return {n: getattr(args, n, None) for n in names}
+
+
 async def serve(
     cfg: GatewayConfig,
     stop: asyncio.Event | None = None,
     *,
     shared: SharedLoad | None = None,
     worker: int | None = None,
+    source: Callable[[], GatewayConfig] | None = None,
 ) -> None:
     """Serve until ``stop`` is set (or SIGINT / SIGTERM).
 
     ``worker``: this process is worker ``worker`` of ``kiloserve gateway --workers N``
     (gateway/workers.py): it binds the port with SO_REUSEPORT beside its peers and
-    shares their in-flight view through ``shared``.
+    shares their in-flight view through ``shared``. ``source``: the config again, for
+    SIGHUP and ``POST /admin/reload`` (gateway/reload.py).
     """
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -105,6 +118,11 @@ async def serve(
     app = create_gateway_app(cfg)
     if shared is not None:
         attach_worker(app, cfg, shared, worker or 0)
+    reloader = app[RELOAD_KEY]
+    reloader.source = source
+    if worker is not None:  # POST /admin/reload: the supervisor reloads every worker
+        reloader.fan_out = lambda: os.kill(os.getppid(), signal.SIGHUP)
+    install_signal(loop, reloader)
     runner = make_runner(app, cfg, shutdown_timeout=cfg.shutdown_grace_s)
     await runner.setup()
     try:
@@ -127,21 +145,26 @@ async def serve(
 
 
 def run_one(
-    cfg: GatewayConfig, *, shared: SharedLoad | None = None, worker: int | None = None
+    cfg: GatewayConfig,
+    *,
+    shared: SharedLoad | None = None,
+    worker: int | None = None,
+    source: Callable[[], GatewayConfig] | None = None,
 ) -> None:
     """Serve ``cfg`` in this process on the configured event loop (gateway/loop.py)."""
     factory, name = loop_factory(cfg.event_loop)
     logger.info("event loop: %s", name)
     with asyncio.Runner(loop_factory=factory) as runner:
-        runner.run(serve(cfg, shared=shared, worker=worker))
+        runner.run(serve(cfg, shared=shared, worker=worker, source=source))
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = build_config(args)
+    source = (lambda: build_config(args)) if args.config else None
     try:
         if cfg.workers > 1:
-            return run_workers(cfg, args.log_level)
-        run_one(cfg)
+            return run_workers(cfg, args.log_level, reload_args(args) if source else None)
+        run_one(cfg, source=source)
     except LoopError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -26,6 +26,8 @@ from kiloserve.gateway.admission.queue import AdmissionConfig
 from kiloserve.gateway.admission.ratelimit import RateLimitConfig
 from kiloserve.gateway.dashboard_state import DashboardConfig
 from kiloserve.gateway.migrate import MigrationConfig
+from kiloserve.gateway.model_select import ModelFromConfig
+from kiloserve.gateway.output_history_settings import OutputHistoryConfig
 from kiloserve.gateway.peer_settings import PeerConfig
 from kiloserve.gateway.registry.settings import RegistryConfig
 from kiloserve.gateway.resilience.demotion import DemotionConfig
@@ -109,8 +111,12 @@ class GatewayConfig(_Strict):
     block_size: int = Field(default=16, ge=1)
     max_prefix_tokens: int = Field(default=8192, ge=0)
     default_output_tokens: int = Field(default=256, ge=1)
+    # the output-length history, shared through Redis (gateway/output_history.py)
+    output_history: OutputHistoryConfig = Field(default_factory=OutputHistoryConfig)
     seed: int | None = None
     models: dict[str, ModelConfig] = Field(default_factory=dict)
+    # the model from a header or a verified JWT claim (docs/gateway.md, "Model selection")
+    model_from: ModelFromConfig = Field(default_factory=ModelFromConfig)
     backends: list[BackendConfig] = Field(default_factory=list)
     # admission and flow control, API keys, rate limits (docs/admission.md)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
@@ -129,6 +135,9 @@ class GatewayConfig(_Strict):
     shutdown_grace_s: float = Field(default=30.0, ge=0.0)
     # glibc malloc_trim(0) every this many seconds (0: never; gateway/heap.py)
     malloc_trim_interval_s: float = Field(default=60.0, ge=0.0)
+    # ask each engine its version and model every this many seconds (0: never; S5.5,
+    # gateway/inventory.py)
+    inventory_interval_s: float = Field(default=60.0, ge=0.0)
     # the event loop: uvloop when installed (auto), or the standard library's (asyncio)
     event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
     # processes serving the port (SO_REUSEPORT) with one shared in-flight view
@@ -159,6 +168,13 @@ class GatewayConfig(_Strict):
     def peers_redis_url(self) -> str | None:
         """Where the peer channel lives: ``peers.redis_url``, else the rate limits' Redis."""
         return self.peers.redis_url or self.rate_limit.redis_url
+
+    def output_history_redis_url(self) -> str | None:
+        """Where the output-length history is shared: ``output_history.redis_url``, else
+        the rate limits' Redis; None when not shared."""
+        if not self.output_history.shared:
+            return None
+        return self.output_history.redis_url or self.rate_limit.redis_url
 
     def effective_admin_token(self) -> str | None:
         """``admin_token`` from the file, else the ``KILOSERVE_ADMIN_TOKEN`` env var."""

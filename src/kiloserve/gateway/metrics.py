@@ -12,8 +12,11 @@ process's counter, which starts again from 0 when the engine restarts.
 
 Deployment records (S5.5) are info-style gauges equal to 1:
 ``kiloserve_gateway_info{version, config_hash}`` and one
-``kiloserve_backend_info{backend, model, version, gpu}`` per backend and model (models
-as discovered from the backend or configured; ``version`` and ``gpu`` from its config).
+``kiloserve_backend_info{backend, model, version, gpu, engine, engine_version,
+model_root, max_model_len}`` per backend and model (models as discovered from the
+backend or configured; ``version`` and ``gpu`` from its config; the engine's kind and
+version, model root and context length as the engine reports them, gateway/inventory.py,
+"" until collected).
 
 KV-cache events (docs/kv-events.md), read from ``table.kv_cache`` at collection time:
 per backend ``kiloserve_kv_events_total``, ``_kv_event_batches_total``,
@@ -114,27 +117,44 @@ class _TableCollector(Collector):
         yield hits
 
 
+_INVENTORY_LABELS = ("engine", "engine_version", "model_root", "max_model_len")
+
+
+def _inventory_labels(inventory: Mapping[str, Any], scraped_engine: str | None) -> list[str]:
+    """engine, engine_version, model_root, max_model_len ("" when not known)."""
+    max_len = inventory.get("max_model_len")
+    return [
+        str(inventory.get("engine") or scraped_engine or ""),
+        str(inventory.get("engine_version", "")),
+        str(inventory.get("model_root", "")),
+        "" if max_len is None else str(max_len),
+    ]
+
+
 class _InfoCollector(Collector):
     """Deployment records: the gateway's version and config hash, each backend's model."""
 
     def __init__(self, table: BackendTable, version: str, config_hash: str) -> None:
         self._table = table
-        self._labels = [version, config_hash]
+        self.labels = [version, config_hash]
 
     def collect(self) -> Iterator[Any]:
         gateway = GaugeMetricFamily(
             PREFIX + "info", "gateway version and config hash (always 1)",
             labels=["version", "config_hash"],
         )  # fmt: skip
-        gateway.add_metric(self._labels, 1.0)
+        gateway.add_metric(self.labels, 1.0)
         backends = GaugeMetricFamily(
-            "kiloserve_backend_info", "backend model, version and GPU (always 1)",
-            labels=["backend", "model", "version", "gpu"],
-        )  # fmt: skip
+            "kiloserve_backend_info",
+            "backend model, version, GPU, engine and its version (always 1)",
+            labels=["backend", "model", "version", "gpu", *_INVENTORY_LABELS],
+        )
         for bid in self._table.backend_ids():
-            s = self._table.record(bid).state
+            rec = self._table.record(bid)
+            s = rec.state
+            engine = _inventory_labels(rec.inventory, rec.engine)
             for model in sorted(s.models) or [""]:
-                backends.add_metric([bid, model, s.version, s.gpu], 1.0)
+                backends.add_metric([bid, model, s.version, s.gpu, *engine], 1.0)
         yield gateway
         yield backends
 
@@ -315,8 +335,13 @@ class GatewayMetrics:
         self.prefix_index_fill: Callable[[], tuple[int, int] | None] = lambda: None
         self.registry.register(_HotPathCollector(self))
         self.registry.register(_TableCollector(table))
-        self.registry.register(_InfoCollector(table, __version__, config_hash))
+        self._info = _InfoCollector(table, __version__, config_hash)
+        self.registry.register(self._info)
         self.registry.register(_KvCollector(self, table))
+
+    def set_config_hash(self, config_hash: str) -> None:
+        """The ``config_hash`` label of ``kiloserve_gateway_info`` (after a reload)."""
+        self._info.labels[1] = config_hash
 
     @staticmethod
     def _inc(counts: dict[tuple[str, ...], int], key: tuple[str, ...]) -> None:

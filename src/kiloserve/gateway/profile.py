@@ -9,8 +9,12 @@
   Token-id prompts count exactly. They are checked: ids are ints in 0..2^32-1 (bools
   are not), in a list or a list of lists (one level of nesting, as OpenAI's
   completions allow); else 400 naming ``prompt``.
+* model: the body's, or a header / verified JWT claim (``model_from``,
+  ``kiloserve.gateway.model_select``; ``Profiler.pick_model``, before profiling).
 * predicted output tokens: ``max_tokens`` / ``max_completion_tokens`` when given, else
-  an EWMA of actual output tokens per (user, model), else ``default_output_tokens``.
+  an EWMA of actual output tokens per (user, model), else ``default_output_tokens``;
+  shared by every gateway through Redis when one is configured
+  (``kiloserve.gateway.output_history``).
 * session key: the ``x-session-id`` header, else the body's ``user``, else the ``sub``
   claim of a JWT bearer token. The JWT is only base64-decoded, NOT verified: the key is
   a routing hint (affinity), never an identity used for access control.
@@ -48,6 +52,7 @@ from kiloserve.engine.protocol import render_chat_body
 from kiloserve.errors import ConfigError, RequestError
 from kiloserve.gateway.chat_messages import request_flag
 from kiloserve.gateway.config import GatewayConfig
+from kiloserve.gateway.model_select import ModelPicker
 from kiloserve.policies.base import RequestInfo
 from kiloserve.tokens import (
     MAX_TOKEN_ID,
@@ -278,6 +283,11 @@ class Profiler:
         self.outputs = OutputPredictor(cfg.default_output_tokens)
         self._models = tuple(cfg.models)
         self._tokenizers = _load_tokenizers(cfg)
+        self.model_picker = ModelPicker(cfg.model_from)  # header / JWT claim (S1.1)
+
+    def pick_model(self, body: dict[str, Any], headers: Mapping[str, str]) -> bool:
+        """``body["model"]`` from the ``model_from`` sources (``ModelPicker.pick``)."""
+        return self.model_picker.pick(body, headers)
 
     @property
     def has_tokenizers(self) -> bool:

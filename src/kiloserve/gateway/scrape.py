@@ -10,6 +10,11 @@ worker 0 scrapes and publishes each outcome in the shared segment
 tables as if they had scraped (``get_scrape``), and scrape an engine themselves only
 while its published record is older than two intervals plus the timeout (worker 0
 restarting, or stuck).
+
+A backend with a ``node_metrics_url`` (its node's dcgm-exporter) has that page fetched
+in the same round, concurrently with ``/metrics``, by every worker (it is small and
+not shared): ``routing/node_metrics.py`` parses it, ``BackendTable.record_node`` takes
+its PCIe load and health verdict.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 
 from kiloserve.routing.engine_metrics import EngineMetrics, parse_engine_metrics
+from kiloserve.routing.node_metrics import NodeMetrics, node_problems, parse_node_metrics
 from kiloserve.routing.shared_load import (
     SCRAPE_FAILED,
     SCRAPE_OK,
@@ -78,6 +84,24 @@ async def _scrape_backend(
     _apply(table, backend_id, outcome, now_s, metrics, reason)
     if share is not None:
         share.put_scrape(backend_id, outcome, now_s, metrics, reason)
+
+
+async def _scrape_node(
+    session: aiohttp.ClientSession, table: BackendTable, backend_id: str, timeout_s: float
+) -> None:
+    """Fetch the backend's node page (when it has one) into the table."""
+    url = table.record(backend_id).config.node_metrics_url
+    if url is None:
+        return
+    node: NodeMetrics | None = None
+    try:
+        async with asyncio.timeout(timeout_s), session.get(url) as resp:
+            text = await resp.text()
+            if resp.status < 400:
+                node = parse_node_metrics(text)
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        logger.debug("node scrape of %s failed: %s", backend_id, type(exc).__name__)
+    table.record_node(backend_id, node, [] if node is None else node_problems(node))
 
 
 class _Follower:
@@ -137,10 +161,13 @@ async def scrape_loop(
     publish = share if is_scraper else None
 
     def scrape(backend_id: str) -> Callable[[], Awaitable[None]]:
-        async def step() -> None:
+        async def engine() -> None:
             if follower is not None and follower.take(table, backend_id):
                 return
             await _scrape_backend(session, table, backend_id, timeout_s, publish)
+
+        async def step() -> None:
+            await asyncio.gather(engine(), _scrape_node(session, table, backend_id, timeout_s))
 
         return step
 

@@ -13,11 +13,16 @@ through the segment, so every worker routes on the load of all of them.
 The supervisor prints one ``kiloserve gateway listening on URL (N workers)`` line once
 every worker listens, forwards the workers' other output, restarts a worker that dies
 (the new one first retires what the dead one still counted), and on SIGINT / SIGTERM
-stops them all (each gets ``shutdown_grace_s`` for its in-flight requests).
+stops them all (each gets ``shutdown_grace_s`` for its in-flight requests). On SIGHUP
+(sent by an operator, or by a worker answering ``POST /admin/reload``) it reads the
+config file again and, when it is valid and changes nothing that needs a restart,
+sends SIGHUP to every worker, each of which reloads the same file
+(``gateway/reload.py``); a refused reload is logged and changes nothing.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import logging
@@ -34,11 +39,13 @@ from types import FrameType
 
 from aiohttp import web
 
+from kiloserve.errors import KiloserveError
 from kiloserve.gateway.admission.gate import FLOW_KEY
 from kiloserve.gateway.admission.ratelimit import LocalLimiter, SharedLimiter
 from kiloserve.gateway.app import SCRAPE_SHARE_KEY, TABLE_KEY, WORKER_METRICS_KEY
 from kiloserve.gateway.config import GatewayConfig, parse_gateway_config
 from kiloserve.gateway.peers import PEERS_KEY
+from kiloserve.gateway.reload import restart_fields
 from kiloserve.gateway.worker_metrics import WorkerMetrics
 from kiloserve.routing.shared_load import FileLock, LoadLayout, SharedLoad
 
@@ -91,15 +98,19 @@ class _Worker:
             sys.stdout.flush()
 
 
-def run_workers(cfg: GatewayConfig, log_level: str | None = None) -> int:
-    """Supervise ``cfg.workers`` gateway workers until SIGINT / SIGTERM."""
-    stop = threading.Event()
+def run_workers(
+    cfg: GatewayConfig, log_level: str | None = None, reload: dict[str, object] | None = None
+) -> int:
+    """Supervise ``cfg.workers`` gateway workers until SIGINT / SIGTERM; ``reload``:
+    the command-line flags the config came from (``cli.reload_args``), for SIGHUP."""
+    stop, hup = threading.Event(), threading.Event()
 
     def on_signal(_sig: int, _frame: FrameType | None) -> None:
         stop.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
+    signal.signal(signal.SIGHUP, lambda _sig, _frame: hup.set())
     reserve = _reserve_port(cfg.host) if cfg.port == 0 else None
     port = reserve.getsockname()[1] if reserve is not None else cfg.port
     cfg = cfg.model_copy(update={"port": port})
@@ -111,6 +122,7 @@ def run_workers(cfg: GatewayConfig, log_level: str | None = None) -> int:
         "segment": load.name,
         "lock": lock_path,
         "log_level": level,
+        "reload": {**reload, "port": port} if reload else None,
     }
     workers: list[_Worker] = []
     try:
@@ -126,7 +138,7 @@ def run_workers(cfg: GatewayConfig, log_level: str | None = None) -> int:
         url = f"http://{host}:{port}"
         logger.info("kiloserve gateway listening on %s (%d workers)", url, cfg.workers)
         print(f"kiloserve gateway listening on {url} ({cfg.workers} workers)", flush=True)
-        return _supervise(workers, spec, stop)
+        return _supervise(workers, spec, stop, hup)
     finally:
         _stop_all(workers, cfg.shutdown_grace_s + 10.0)
         load.close()
@@ -136,9 +148,40 @@ def run_workers(cfg: GatewayConfig, log_level: str | None = None) -> int:
             reserve.close()
 
 
-def _supervise(workers: list[_Worker], spec: dict[str, object], stop: threading.Event) -> int:
+def _reload_all(workers: list[_Worker], spec: dict[str, object]) -> None:
+    """SIGHUP: check the file once here, then have every worker reload it."""
+    flags = spec.get("reload")
+    if not isinstance(flags, dict):
+        logger.warning("SIGHUP: the gateway was started without a config file; ignored")
+        return
+    from kiloserve.gateway.cli import build_config  # the cli imports this module
+
+    current = parse_gateway_config(spec["config"], source="gateway workers")
+    try:
+        new = build_config(argparse.Namespace(**flags))
+    except KiloserveError as exc:
+        logger.warning("config reload refused, nothing changed: %s", exc)
+        return
+    fixed = restart_fields(current, new)
+    if fixed:
+        logger.warning("config reload refused, nothing changed: %s need a restart", fixed)
+        return
+    spec["config"] = new.model_dump(mode="json")  # for workers started from now on
+    for w in workers:
+        if w.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                w.proc.send_signal(signal.SIGHUP)
+    logger.info("config reload: SIGHUP sent to %d workers", len(workers))
+
+
+def _supervise(
+    workers: list[_Worker], spec: dict[str, object], stop: threading.Event, hup: threading.Event
+) -> int:
     restarts: list[float] = []
     while not stop.wait(0.2):
+        if hup.is_set():
+            hup.clear()
+            _reload_all(workers, spec)
         for i, w in enumerate(workers):
             rc = w.proc.poll()
             if rc is None:
@@ -197,16 +240,18 @@ def worker_main() -> int:
         level=str(spec.get("log_level", "INFO")).upper(),
         format=f"%(asctime)s worker-{index} %(levelname)s %(name)s: %(message)s",
     )
-    from kiloserve.gateway.cli import run_one  # the gateway app, only in workers
+    from kiloserve.gateway.cli import build_config, run_one  # the gateway app, only in workers
 
     cfg = parse_gateway_config(spec["config"], source="gateway workers")
+    flags = spec.get("reload")
+    source = (lambda: build_config(argparse.Namespace(**flags))) if flags else None
     lock = FileLock(str(spec["lock"]))
     shared = SharedLoad.attach(str(spec["segment"]), index, lock)
     retired = shared.retire_predecessor()
     if retired:
         logger.info("retired the in-flight counts a dead worker left on %d backends", retired)
     try:
-        run_one(cfg, shared=shared, worker=index)
+        run_one(cfg, shared=shared, worker=index, source=source)
     finally:
         shared.close()
         lock.close()

@@ -158,6 +158,7 @@ def gateway_config(cfg: ClusterConfig, backends: list[BackendInfo], port: int) -
                 "engine": METRIC_DIALECTS[b.engine],
                 "kv_capacity_tokens": b.kv_capacity_tokens or None,
                 **_kv_events_keys(b),
+                **_node_metrics_key(b),
             }
             for b in backends
         ],
@@ -173,6 +174,13 @@ def _kv_events_keys(backend: BackendInfo) -> dict[str, str]:
         "kv_events_replay_endpoint": backend.kv_events_replay_endpoint,
     }
     return {key: value for key, value in keys.items() if value is not None}
+
+
+def _node_metrics_key(backend: BackendInfo) -> dict[str, str]:
+    """A twin's node page (its dcgm-exporter stand-in) for the gateway to scrape."""
+    if backend.engine != "twin":
+        return {}
+    return {"node_metrics_url": backend.url + "/node/metrics"}
 
 
 class LocalCluster:

@@ -84,6 +84,11 @@ class FaultSpec(_Strict):
     # thermal throttling: the ``thermal`` object of POST /admin/faults ({} = defaults),
     # checked by the twin at start-up (docs/engine-twin.md, "Thermal throttling")
     thermal: dict[str, float | None] | None = None
+    # the node page's faults (docs/engine-twin.md, "Node page")
+    pcie_saturation: float | None = Field(default=None, ge=0, le=1)
+    nvlink_degrade_at_c: float | None = None
+    xid: int | None = Field(default=None, ge=0)
+    ecc_dbe_errors: int | None = Field(default=None, ge=0)
 
 
 class BackendSpec(_Strict):

@@ -174,6 +174,10 @@ def twin_argv(
                 "--error-rate": f.error_rate,
                 "--error-status": f.status,
                 "--stall-after-tokens": f.stall_after_tokens,
+                "--pcie-saturation": f.pcie_saturation,
+                "--nvlink-degrade-at-c": f.nvlink_degrade_at_c,
+                "--xid": f.xid,
+                "--ecc-dbe-errors": f.ecc_dbe_errors,
             }
         )
         if f.hang:

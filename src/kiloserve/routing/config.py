@@ -36,6 +36,8 @@ class BackendConfig(BaseModel):
     # vLLM's --kv-events-config publisher (docs/kv-events.md): the gateway subscribes
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
+    # the node's dcgm-exporter page (a twin's /node/metrics): PCIe load, Xid, ECC, heat
+    node_metrics_url: str | None = None
 
     @field_validator("url")
     @classmethod
@@ -46,6 +48,11 @@ class BackendConfig(BaseModel):
                 f"must be an http://host:port URL (https is not supported), got {url!r}"
             )
         return url
+
+    @field_validator("node_metrics_url")
+    @classmethod
+    def _node_metrics_url(cls, url: str | None) -> str | None:
+        return None if url is None else cls._plain_http(url)
 
     @field_validator("kv_events_endpoint", "kv_events_replay_endpoint")
     @classmethod

@@ -14,6 +14,12 @@ with no ``/metrics`` page (4xx) counts as reachable with unknown load. Scraped v
 older than ``stale_after_s`` are cleared to ``None`` (unknown) and ``scrape_stale`` is
 set, so policies never read a stale backend as idle.
 
+Node health (``BackendConfig.node_metrics_url``, ``routing/node_metrics.py``): the
+node page's PCIe load replaces the engine page's ``pcie_util``, and an Xid, an
+uncorrectable ECC error or an overheated GPU holds the backend unhealthy (veto
+``node``) until the page is clean again; a failed node scrape forgets the node
+signals (the engine scrape alone decides reachability).
+
 Snapshots share the live ``BackendState`` objects (no copy per request): policies
 choose synchronously, so nothing changes during one decision, and they must not
 mutate what they see.
@@ -39,6 +45,7 @@ from kiloserve.routing.config import BackendConfig
 if TYPE_CHECKING:
     from kiloserve.kvevents.feed import KvEventCache
     from kiloserve.routing.engine_metrics import EngineMetrics
+    from kiloserve.routing.node_metrics import NodeMetrics
 
 __all__ = ["EWMA_ALPHA", "BackendRecord", "BackendTable", "LoadShare", "TableSettings"]
 
@@ -63,6 +70,11 @@ class BackendRecord:
     # through failed scrapes; None when the engine does not report them
     prefix_queries_tokens: float | None = None
     prefix_hits_tokens: float | None = None
+    # engine kind and version, model root, max_model_len, cache config, as the engine
+    # itself reports them (gateway/inventory.py, SPEC S5.5); empty until collected
+    inventory: dict[str, Any] = field(default_factory=dict)
+    node: NodeMetrics | None = None  # the node page as last scraped (None: none / failed)
+    node_problems: list[str] = field(default_factory=list)
 
     @property
     def is_discovered(self) -> bool:
@@ -352,7 +364,8 @@ class BackendTable:
         s.num_waiting = metrics.num_waiting
         s.kv_usage = metrics.kv_usage
         s.prefix_hit_rate = metrics.prefix_hit_rate
-        s.pcie_util = metrics.pcie_util
+        node_pcie = None if rec.node is None else rec.node.pcie_util
+        s.pcie_util = metrics.pcie_util if node_pcie is None else node_pcie
         s.scrape_stale = False
         rec.engine = metrics.engine or rec.engine
         rec.prefix_queries_tokens = metrics.prefix_queries_tokens
@@ -389,6 +402,24 @@ class BackendTable:
             self._apply_health(rec)
             logger.info("backend %s scrapes healthy again", rec.state.backend_id)
 
+    def record_node(
+        self, backend_id: str, node: NodeMetrics | None, problems: Sequence[str] = ()
+    ) -> None:
+        """The node page's signals (``None``: its scrape failed) and health verdict."""
+        rec = self._records.get(backend_id)
+        if rec is None:
+            return
+        rec.node = node
+        if node is not None and node.pcie_util is not None and not rec.state.scrape_stale:
+            rec.state.pcie_util = node.pcie_util
+        if list(problems) != rec.node_problems:
+            rec.node_problems = list(problems)
+            if problems:
+                logger.warning("backend %s node unhealthy: %s", backend_id, ", ".join(problems))
+            else:
+                logger.info("backend %s node healthy", backend_id)
+        self.set_veto(backend_id, "node", bool(problems))
+
     def refresh_staleness(self, now_s: float) -> None:
         for rec in self._records.values():
             last = rec.last_scrape_ok_s
@@ -400,6 +431,10 @@ class BackendTable:
         s.num_running = s.num_waiting = None
         s.kv_usage = s.prefix_hit_rate = s.pcie_util = None
         s.scrape_stale = True
+
+    def set_inventory(self, backend_id: str, inventory: dict[str, Any]) -> None:
+        """What the engine runs (``gateway/inventory.py``): replaces the last one."""
+        self.record(backend_id).inventory = inventory
 
     # -- admin ---------------------------------------------------------------------
     def set_draining(self, backend_id: str, draining: bool) -> None:
@@ -422,7 +457,11 @@ class BackendTable:
             "name": s.backend_id,
             "url": s.url,
             "models": sorted(s.models),
-            "engine": rec.engine or rec.config.engine,
+            "engine": rec.engine or rec.inventory.get("engine") or rec.config.engine,
+            "engine_version": rec.inventory.get("engine_version", ""),
+            "model_root": rec.inventory.get("model_root", ""),
+            "max_model_len": rec.inventory.get("max_model_len"),
+            "cache_config": rec.inventory.get("cache_config", {}),
             "gpu": s.gpu,
             "group": s.group,
             "version": s.version,
@@ -438,6 +477,8 @@ class BackendTable:
             "kv_usage": s.kv_usage,
             "prefix_hit_rate": s.prefix_hit_rate,
             "pcie_util": s.pcie_util,
+            "node": None if rec.node is None else rec.node.to_json(),
+            "node_problems": rec.node_problems,
             "scrape_stale": s.scrape_stale,
             "scrape_age_s": age,
             "num_scrape_errors_total": rec.num_scrape_errors_total,

@@ -107,6 +107,32 @@ class EtcdClient:
             body["lease"] = str(lease_id)
         await self._call("/v3/kv/put", body)
 
+    async def get_one(self, key: str) -> tuple[int, bytes | None]:
+        """(``mod_revision``, value) of ``key``; (0, None) when it does not exist."""
+        data = await self._call("/v3/kv/range", {"key": _b64(key)})
+        kvs = data.get("kvs", [])
+        if not kvs:
+            return 0, None
+        return int(kvs[0].get("mod_revision", 0)), _unb64(kvs[0].get("value", ""))
+
+    async def put_if_revision(
+        self, key: str, value: bytes, mod_revision: int, lease_id: int | None = None
+    ) -> tuple[bool, int]:
+        """Put ``value`` only while ``key``'s ``mod_revision`` is ``mod_revision`` (0: the
+        key does not exist), in one transaction. (True, the new revision) when written,
+        (False, the store's revision) when the key had moved on. ``lease_id`` None keeps
+        the key's lease (a new key gets none), 0 puts it without one."""
+        put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+        if lease_id is None and mod_revision:
+            put["ignore_lease"] = True
+        elif lease_id:
+            put["lease"] = str(lease_id)
+        compare = {"key": _b64(key), "target": "MOD", "result": "EQUAL"}
+        compare["mod_revision"] = str(mod_revision)
+        body = {"compare": [compare], "success": [{"request_put": put}]}
+        data = await self._call("/v3/kv/txn", body)
+        return bool(data.get("succeeded")), int(data["header"]["revision"])
+
     async def delete(self, key: str) -> None:
         await self._call("/v3/kv/deleterange", {"key": _b64(key)})
 

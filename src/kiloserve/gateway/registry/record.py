@@ -4,10 +4,13 @@
 
     {"name": "h100-0", "url": "http://10.0.0.5:8000", "models": ["llama-3.1-8b"],
      "gpu": "H100", "group": "", "version": "", "weight": 1.0, "engine": "auto",
-     "draining": false, "health": {"score": 1.0, "nvml": null}}
+     "draining": false, "health": {"score": 1.0, "nvml": null},
+     "moves": ["5b0c...-uuid"]}
 
 ``draining`` is the agent's verdict from node health (S3.3): the gateway stops sending
-new requests but lets in-flight ones finish. Unknown keys are ignored (newer agents).
+new requests but lets in-flight ones finish. ``moves`` lists the ids of the last state
+moves applied to the record (``registry/moves.py``, S3.5: a retried move is a no-op).
+Unknown keys are ignored (newer agents).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ _BACKEND_KEYS = (
     "engine",
     "kv_events_endpoint",
     "kv_events_replay_endpoint",
+    "node_metrics_url",
 )
 
 
@@ -42,12 +46,15 @@ class RegistryRecord:
     backend: BackendConfig
     is_draining: bool = False
     health: dict[str, Any] | None = None
+    move_ids: tuple[str, ...] = ()  # the last state moves applied (registry/moves.py)
 
 
 def encode_record(record: RegistryRecord) -> bytes:
     data = record.backend.model_dump(mode="json", include=set(_BACKEND_KEYS))
     data["draining"] = record.is_draining
     data["health"] = record.health
+    if record.move_ids:
+        data["moves"] = list(record.move_ids)
     return orjson.dumps(data)
 
 
@@ -65,6 +72,11 @@ def decode_record(raw: bytes, key: str) -> RegistryRecord:
     except ValidationError as exc:
         raise ConfigError(f"registry key {key}: {exc.errors()[0]['msg']}") from exc
     health = data.get("health")
+    moves = data.get("moves")
+    move_ids = tuple(m for m in moves if isinstance(m, str)) if isinstance(moves, list) else ()
     return RegistryRecord(
-        backend, bool(data.get("draining")), health if isinstance(health, dict) else None
+        backend,
+        bool(data.get("draining")),
+        health if isinstance(health, dict) else None,
+        move_ids,
     )

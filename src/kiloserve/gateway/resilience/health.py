@@ -7,15 +7,23 @@ next probe starts ``interval_s`` x (1 +- ``jitter``) after the previous one star
 after a failure that has not yet tipped the backend over, the confirming probe comes
 after ``recheck_interval_s`` instead, so a hang is found within one interval plus the
 confirmations.
+
+The completion probe (``completion_probe``, on by default for vLLM and SGLang) catches
+an engine whose ``/health`` answers while its inference hangs or fails.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["HealthConfig", "ProbeTracker"]
+__all__ = ["COMPLETION_PROBE_ENGINES", "HealthConfig", "ProbeTracker", "wants_completion_probe"]
+
+# engines that batch continuously: a 1-token probe costs them one decode slot for a
+# step, never a whole slot of a few (llama.cpp's --parallel) as it would elsewhere
+COMPLETION_PROBE_ENGINES = frozenset({"vllm", "sglang"})
 
 
 class HealthConfig(BaseModel):
@@ -31,7 +39,17 @@ class HealthConfig(BaseModel):
     unhealthy_threshold: int = Field(default=2, ge=1)
     healthy_threshold: int = Field(default=2, ge=1)
     path: str = "/health"
-    completion_probe: bool = False
+    # a real 1-token completion after /health: "auto" = for vLLM (the twin) and SGLang
+    completion_probe: bool | Literal["auto"] = "auto"
+    completion_timeout_s: float = Field(default=10.0, gt=0.0)
+
+
+def wants_completion_probe(setting: bool | Literal["auto"], engine: str | None) -> bool:
+    """Whether a backend of ``engine`` (from its scrape, or the config's ``engine:``)
+    gets the completion probe under ``setting``."""
+    if setting == "auto":
+        return engine in COMPLETION_PROBE_ENGINES
+    return bool(setting)
 
 
 @dataclass(slots=True)

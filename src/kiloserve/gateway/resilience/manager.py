@@ -33,9 +33,9 @@ from prometheus_client.registry import Collector
 from kiloserve.gateway.config import GatewayConfig
 from kiloserve.gateway.metrics import PREFIX, GatewayMetrics
 from kiloserve.gateway.resilience.demotion import SlowNodeDemoter
-from kiloserve.gateway.resilience.health import ProbeTracker
+from kiloserve.gateway.resilience.health import ProbeTracker, wants_completion_probe
 from kiloserve.gateway.resilience.outlier import OutlierDetector
-from kiloserve.gateway.resilience.prober import Prober
+from kiloserve.gateway.resilience.prober import COMPLETION_TIMEOUT, Prober
 from kiloserve.policies.base import Outcome, RequestInfo
 from kiloserve.routing.router import Router
 from kiloserve.routing.table import BackendTable
@@ -63,6 +63,9 @@ class Resilience:
         self.num_demotions: dict[tuple[str, str], int] = {}
         self.num_panics = 0
         self._base_weight: dict[str, float] = {}
+        # when each backend last showed progress on real traffic (a first token, an ok
+        # completion): a completion probe that timed out since then met a busy engine
+        self._last_progress_s: dict[str, float] = {}
         self._prober: Prober | None = None
         self._task: asyncio.Task[None] | None = None
         router.admit = self.admit
@@ -80,11 +83,14 @@ class Resilience:
         elif not self.outlier.is_ejected(backend_id):
             self.table.set_veto(backend_id, EJECT_VETO, False)
         if outcome.ok:
+            self._last_progress_s[backend_id] = now_s
             self.demoter.observe(backend_id, now_s, None, outcome.tpot_ms)
 
     def on_first_token(self, backend_id: str, info: RequestInfo, ttft_ms: float) -> None:
         """TTFT samples count at the first token: a slow node shows before it finishes."""
-        self.demoter.observe(backend_id, time.monotonic(), ttft_ms, None)
+        now_s = time.monotonic()
+        self._last_progress_s[backend_id] = now_s
+        self.demoter.observe(backend_id, now_s, ttft_ms, None)
 
     def admit(self, ranked: tuple[str, ...], pool: frozenset[str]) -> tuple[str, ...]:
         """Put one half-open backend of ``pool`` first (its trial request), if any; with
@@ -128,12 +134,22 @@ class Resilience:
 
     # -- probes --------------------------------------------------------------------
     def _target(self, backend_id: str) -> tuple[str, str | None] | None:
+        """(url, the model of its completion probe: None when it gets none)."""
         if backend_id not in self.table.backend_ids():
             return None
-        s = self.table.state(backend_id)
-        return s.url, min(s.models) if s.models else None
+        rec = self.table.record(backend_id)
+        s = rec.state
+        engine = rec.config.engine if rec.config.engine != "auto" else rec.engine
+        is_on = wants_completion_probe(self.cfg.health.completion_probe, engine)
+        return s.url, min(s.models) if s.models and is_on else None
 
-    def _on_probe(self, backend_id: str, is_ok: bool, why: str) -> None:
+    def _on_probe(self, backend_id: str, is_ok: bool, why: str, started_s: float) -> None:
+        if why == COMPLETION_TIMEOUT and self._last_progress_s.get(backend_id, -1.0) >= started_s:
+            # real requests made progress on it meanwhile: busy (a long queue), not hung;
+            # counting this would eject loaded backends one after another (a cascade)
+            key = (backend_id, "busy")
+            self.num_probes[key] = self.num_probes.get(key, 0) + 1
+            return
         key = (backend_id, "ok" if is_ok else "fail")
         self.num_probes[key] = self.num_probes.get(key, 0) + 1
         changed = self.probes.record(backend_id, is_ok)
@@ -170,6 +186,14 @@ class Resilience:
         for b in ids:
             self._apply_weight(b, now_s)
 
+    def reset_weight(self, backend_id: str) -> None:
+        """The backend's configured weight changed: base its effective weight on the
+        new one from the next tick (any demotion factor still applies)."""
+        self._base_weight.pop(backend_id, None)
+        state = self.table.state_or_none(backend_id)
+        if state is not None:
+            state.effective_weight = state.weight
+
     def _apply_weight(self, backend_id: str, now_s: float) -> None:
         state = self.table.state(backend_id)
         base = self._base_weight.setdefault(backend_id, state.effective_weight)
@@ -190,6 +214,7 @@ class Resilience:
         gone = self._base_weight.keys() - set(self.table.backend_ids())
         for b in gone:
             self._base_weight.pop(b, None)
+            self._last_progress_s.pop(b, None)
             self.outlier.forget(b)
             self.demoter.forget(b)
 

@@ -1,10 +1,15 @@
 """The active probe loops (SPEC S3.1): one jittered loop per backend, at most one probe
 in flight per backend, never a storm.
 
-A probe is ``GET /health`` and, when ``completion_probe`` is on, a minimal real
-inference request (``max_tokens: 1``) for the backend's first model; it fails on a
-connect error, a time-out (``timeout_s``) or a status >= 500. Each result goes to the
-pure ``ProbeTracker`` (``health.py``), which turns streaks into a verdict.
+A probe is ``GET /health`` and then, for a backend the manager names a model for (the
+completion probe: on by default for vLLM and SGLang, ``health.wants_completion_probe``),
+a minimal real inference request: ``max_tokens: 1`` on a 1-word prompt, not streamed.
+Both carry the ``x-kiloserve-probe`` header, so a backend can tell them from user
+traffic (the engine twin leaves them out of its metrics); they never pass through the
+gateway's router, so they are in none of its request statistics either. A probe fails
+on a connect error, a time-out (``timeout_s`` for /health, ``completion_timeout_s`` for
+the completion) or a status >= 500. Each result goes to the manager, which feeds the
+pure ``ProbeTracker`` (``health.py``) that turns streaks into a verdict.
 """
 
 from __future__ import annotations
@@ -17,27 +22,22 @@ from collections.abc import Callable
 
 import aiohttp
 
+from kiloserve.engine.protocol import PROBE_HEADER
 from kiloserve.gateway.resilience.health import HealthConfig, ProbeTracker
 
-__all__ = ["Prober", "probe_once"]
+__all__ = ["COMPLETION_TIMEOUT", "PROBE_HEADER", "Prober", "probe_once"]
+
+COMPLETION_TIMEOUT = "completion timeout"  # the reason of a completion probe's time-out
+_HEADERS = {PROBE_HEADER: "1"}
 
 
-async def probe_once(
-    session: aiohttp.ClientSession, url: str, cfg: HealthConfig, model: str | None
-) -> str:
-    """One probe of the backend at ``url``: '' when healthy, else why not."""
+async def _probe_health(session: aiohttp.ClientSession, url: str, cfg: HealthConfig) -> str:
     try:
         async with asyncio.timeout(cfg.timeout_s):
-            async with session.get(url + cfg.path) as resp:
+            async with session.get(url + cfg.path, headers=_HEADERS) as resp:
                 await resp.read()
                 if resp.status >= 500:
                     return f"health http {resp.status}"
-            if cfg.completion_probe and model is not None:
-                body = {"model": model, "prompt": "ping", "max_tokens": 1}
-                async with session.post(url + "/v1/completions", json=body) as resp:
-                    await resp.read()
-                    if resp.status >= 500:
-                        return f"completion http {resp.status}"
     except TimeoutError:
         return "timeout"
     except (aiohttp.ClientError, OSError) as exc:
@@ -45,9 +45,38 @@ async def probe_once(
     return ""
 
 
-# (backend id) -> (url, first model) or None when the backend is gone
+async def _probe_completion(
+    session: aiohttp.ClientSession, url: str, cfg: HealthConfig, model: str
+) -> str:
+    body = {"model": model, "prompt": "ping", "max_tokens": 1, "stream": False}
+    try:
+        async with asyncio.timeout(cfg.completion_timeout_s):
+            async with session.post(url + "/v1/completions", json=body, headers=_HEADERS) as resp:
+                await resp.read()
+                if resp.status >= 500:
+                    return f"completion http {resp.status}"
+    except TimeoutError:
+        return COMPLETION_TIMEOUT
+    except (aiohttp.ClientError, OSError) as exc:
+        return type(exc).__name__
+    return ""
+
+
+async def probe_once(
+    session: aiohttp.ClientSession, url: str, cfg: HealthConfig, model: str | None
+) -> str:
+    """One probe of the backend at ``url``: '' when healthy, else why not. With
+    ``model``, a 1-token completion follows a passing /health."""
+    why = await _probe_health(session, url, cfg)
+    if why or model is None:
+        return why
+    return await _probe_completion(session, url, cfg, model)
+
+
+# (backend id) -> (url, model for the completion probe or None) or None when it is gone
 Target = Callable[[str], tuple[str, str | None] | None]
-Verdict = Callable[[str, bool, str], None]
+# (backend id, passed, why not, when the probe started: time.monotonic())
+Verdict = Callable[[str, bool, str, float], None]
 
 
 class Prober:
@@ -93,7 +122,7 @@ class Prober:
             if target is None:
                 return
             why = await probe_once(self._session, target[0], self.cfg, target[1])
-            self._on_probe(backend_id, not why, why)
+            self._on_probe(backend_id, not why, why, started)
             await asyncio.sleep(max(0.0, self._delay_s(backend_id) - (time.monotonic() - started)))
 
     async def close(self) -> None:

@@ -32,7 +32,7 @@ def test_probe_streaks_flip_health_after_n_and_m() -> None:
 def test_health_score_from_nvml() -> None:
     assert health_score(None) == 1.0
     assert health_score({"gpus": [{"temperature_c": 70, "ecc_uncorrected": 0}]}) == 1.0
-    assert health_score({"gpus": [{"temperature_c": 95, "ecc_uncorrected": 0}]}) == 0.5
+    assert health_score({"gpus": [{"temperature_c": 95, "ecc_uncorrected": 0}]}) == 0.25
     assert health_score({"gpus": [{"temperature_c": 60}, {"ecc_uncorrected": 2}]}) == 0.0
     assert health_score({"gpus": [{"xid_events": 1}]}) == 0.0
 
