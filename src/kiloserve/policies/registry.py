@@ -22,6 +22,7 @@ from kiloserve.policies.defaults import DEFAULT_PICKER, DEFAULT_SCORER_WEIGHTS
 from kiloserve.policies.least_kv import LeastKvParams, LeastKvPolicy
 from kiloserve.policies.least_request import LeastRequestParams, LeastRequestPolicy
 from kiloserve.policies.least_tokens import LeastTokensParams, LeastTokensPolicy
+from kiloserve.policies.length_least_conn import LengthLeastConnParams, LengthLeastConnPolicy
 from kiloserve.policies.params import PolicyParams
 from kiloserve.policies.power_of_two import PowerOfTwoParams, PowerOfTwoPolicy
 from kiloserve.policies.prefix_affinity import PrefixAffinityParams, PrefixAffinityPolicy
@@ -30,6 +31,10 @@ from kiloserve.policies.round_robin import RoundRobinParams, RoundRobinPolicy
 from kiloserve.policies.scored import ScoredParams, ScoredPolicy
 from kiloserve.policies.seed_weighted import SeedWeightedParams, SeedWeightedPolicy
 from kiloserve.policies.session_affinity import SessionAffinityParams, SessionAffinityPolicy
+from kiloserve.policies.weighted_round_robin import (
+    WeightedRoundRobinParams,
+    WeightedRoundRobinPolicy,
+)
 
 __all__ = ["available_policies", "create_policy"]
 
@@ -44,6 +49,8 @@ _POLICIES: Mapping[str, tuple[type[PolicyParams], _Factory]] = MappingProxyType(
         "power_of_two": (PowerOfTwoParams, PowerOfTwoPolicy),
         "least_kv": (LeastKvParams, LeastKvPolicy),
         "seed_weighted": (SeedWeightedParams, SeedWeightedPolicy),
+        "weighted_round_robin": (WeightedRoundRobinParams, WeightedRoundRobinPolicy),
+        "length_least_conn": (LengthLeastConnParams, LengthLeastConnPolicy),
         "prefix_affinity": (PrefixAffinityParams, PrefixAffinityPolicy),
         "session_affinity": (SessionAffinityParams, SessionAffinityPolicy),
         "cost_aware": (CostAwareParams, CostAwarePolicy),

@@ -18,10 +18,12 @@ and pick one backend with probability ``W / sum(W)`` using ``rng.random()`` (one
   (exp factors out) and keeps W from underflowing to 0.
 * ``latency_decay_per_ms`` (0.05) is the seed's constant.
 
-The weights are recomputed when the snapshot object changes (cache keyed on snapshot
-identity and model); the seed refreshes them every 200 ms, which is what a gateway
-gets by re-using a snapshot for 200 ms. If every W is 0 the pick falls back to least
-load (``signals.load_rank``). Ranked fallbacks: the other candidates by descending W.
+The weights are recomputed every ``refresh_s`` (0.2, the seed's 200 ms) of snapshot
+time (``ClusterSnapshot.now_s``), and at once when the candidate set changes
+(``live_weights.LiveWeights``); ``refresh_s: 0`` recomputes them for every decision.
+Between refreshes the picks follow the cached W while the queues move. If every W is 0
+the pick falls back to least load (``signals.load_rank``, current). Ranked fallbacks:
+the other candidates by descending W.
 """
 
 from __future__ import annotations
@@ -29,13 +31,13 @@ from __future__ import annotations
 import bisect
 import math
 import random
-from dataclasses import dataclass
 from itertools import accumulate
 from typing import Literal
 
 from pydantic import Field
 
 from kiloserve.policies.base import BackendState, ClusterSnapshot, Decision, RequestInfo
+from kiloserve.policies.live_weights import LiveWeights
 from kiloserve.policies.params import PolicyParams
 from kiloserve.policies.ranking import least_load_order, rank_by_keys
 from kiloserve.policies.signals import candidates, capacity_weight, kv_free_fractions
@@ -47,14 +49,7 @@ __all__ = ["SeedWeightedParams", "SeedWeightedPolicy", "seed_weights"]
 class SeedWeightedParams(PolicyParams):
     latency_metric: Literal["tpot", "ttft"] = "tpot"
     latency_decay_per_ms: float = Field(default=0.05, ge=0.0)
-
-
-@dataclass(slots=True)
-class _Table:
-    snapshot: ClusterSnapshot
-    pool: list[BackendState]
-    cumulative: list[float]
-    by_weight: tuple[str, ...]
+    refresh_s: float = Field(default=0.2, ge=0.0)
 
 
 def _latencies_ms(pool: list[BackendState], metric: str) -> list[float]:
@@ -84,32 +79,38 @@ class SeedWeightedPolicy(StatelessHooks):
 
     def __init__(self, params: SeedWeightedParams | None = None) -> None:
         self.params = params or SeedWeightedParams()
-        self._tables: dict[str, _Table] = {}
+        self.weights = LiveWeights(self._weigh, self.params.refresh_s)
+        # per model: the weights list these were derived from, cumulative W, ids by W
+        self._derived: dict[str, tuple[list[float], list[float], tuple[str, ...]]] = {}
 
-    def _table(self, request: RequestInfo, snapshot: ClusterSnapshot) -> _Table:
-        table = self._tables.get(request.model)
-        if table is not None and table.snapshot is snapshot:
-            return table
-        pool = candidates(request, snapshot)
-        weights = seed_weights(pool, self.params)
-        by_weight = rank_by_keys(pool, [-w for w in weights])
-        table = _Table(snapshot, pool, list(accumulate(weights)), by_weight)
-        self._tables[request.model] = table
-        return table
+    def _weigh(self, pool: list[BackendState]) -> list[float]:
+        return seed_weights(pool, self.params)
+
+    def _table(
+        self, model: str, pool: list[BackendState], weights: list[float]
+    ) -> tuple[list[float], tuple[str, ...]]:
+        derived = self._derived.get(model)
+        if derived is None or derived[0] is not weights:
+            by_weight = rank_by_keys(pool, [-w for w in weights])
+            derived = (weights, list(accumulate(weights)), by_weight)
+            self._derived[model] = derived
+        return derived[1], derived[2]
 
     def choose(
         self, request: RequestInfo, snapshot: ClusterSnapshot, rng: random.Random
     ) -> Decision:
-        table = self._table(request, snapshot)
-        if not table.pool:
+        pool = candidates(request, snapshot)
+        if not pool:
             return Decision(ranked=(), policy=self.name, reason="no eligible backend")
-        total = table.cumulative[-1]
+        weights = self.weights.get(request.model, pool, snapshot.now_s)
+        cumulative, by_weight = self._table(request.model, pool, weights)
+        total = cumulative[-1]
         if total <= 0.0:
-            ranked = least_load_order(table.pool)
+            ranked = least_load_order(pool)
             return Decision(ranked=ranked, policy=self.name, reason="all weights zero")
-        index = bisect.bisect_right(table.cumulative, rng.random() * total)
-        if index >= len(table.pool):  # float rounding at the very top: last positive weight
-            index = bisect.bisect_left(table.cumulative, total)
-        first = table.pool[index].backend_id
-        rest = [bid for bid in table.by_weight if bid != first]
+        index = bisect.bisect_right(cumulative, rng.random() * total)
+        if index >= len(pool):  # float rounding at the very top: last positive weight
+            index = bisect.bisect_left(cumulative, total)
+        first = pool[index].backend_id
+        rest = [bid for bid in by_weight if bid != first]
         return Decision(ranked=(first, *rest), policy=self.name)

@@ -29,6 +29,7 @@ ALL = [
     "least_kv",
     "least_request",
     "least_tokens",
+    "length_least_conn",
     "power_of_two",
     "prefix_affinity",
     "random",
@@ -36,6 +37,7 @@ ALL = [
     "scored",
     "seed_weighted",
     "session_affinity",
+    "weighted_round_robin",
 ]
 PARAMS: dict[str, dict[str, Any]] = {"canary": {"splits": {"v2": 0.5}}}
 

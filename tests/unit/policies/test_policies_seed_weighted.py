@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from kiloserve.policies import BackendState, ClusterSnapshot, RequestInfo, create_policy
-from kiloserve.policies.seed_weighted import SeedWeightedParams, seed_weights
+from kiloserve.policies.seed_weighted import SeedWeightedParams, SeedWeightedPolicy, seed_weights
 
 
 def backend(bid: str, **kw: Any) -> BackendState:
@@ -116,3 +116,58 @@ def test_weights_recomputed_for_a_new_snapshot_only() -> None:
     assert policy.choose(REQ, s1, random.Random(0)).ranked[0] == "a"
     s2 = ClusterSnapshot(0.2, (a, b))
     assert policy.choose(REQ, s2, random.Random(0)).ranked[0] == "b"
+
+
+class FakeClock:
+    """Snapshot time under test control: each ``snapshot()`` is a new object."""
+
+    def __init__(self, *backends: BackendState) -> None:
+        self.now_s = 0.0
+        self.backends = backends
+
+    def snapshot(self) -> ClusterSnapshot:
+        return ClusterSnapshot(self.now_s, self.backends)
+
+
+def seed_policy(params: dict[str, Any] | None = None) -> SeedWeightedPolicy:
+    policy = create_policy("seed_weighted", params)
+    assert isinstance(policy, SeedWeightedPolicy)
+    return policy
+
+
+def test_refresh_every_200_ms_of_snapshot_time_not_per_snapshot_object() -> None:
+    a, b = backend("a", kv_usage=0.0), backend("b", kv_usage=1.0)
+    clock = FakeClock(a, b)
+    policy = seed_policy()
+    assert policy.choose(REQ, clock.snapshot(), random.Random(0)).ranked[0] == "a"
+    a.kv_usage, b.kv_usage = 1.0, 0.0
+    for now_s in (0.05, 0.1, 0.199):  # a new snapshot per decision, as the gateway builds
+        clock.now_s = now_s
+        assert policy.choose(REQ, clock.snapshot(), random.Random(0)).ranked[0] == "a"
+    clock.now_s = 0.2
+    assert policy.choose(REQ, clock.snapshot(), random.Random(0)).ranked[0] == "b"
+    assert policy.weights.num_computed == 2
+
+
+@pytest.mark.parametrize(("refresh_s", "num_computed"), [(0.0, 6), (0.05, 3), (1.0, 1)])
+def test_refresh_s_param(refresh_s: float, num_computed: int) -> None:
+    clock = FakeClock(backend("a", kv_usage=0.0), backend("b", kv_usage=0.5))
+    policy = seed_policy({"refresh_s": refresh_s})
+    for now_s in (0.0, 0.0, 0.03, 0.06, 0.09, 0.12):
+        clock.now_s = now_s
+        policy.choose(REQ, clock.snapshot(), random.Random(0))
+    assert policy.weights.num_computed == num_computed
+
+
+def test_candidate_change_and_clock_reset_recompute_at_once() -> None:
+    a, b = backend("a", kv_usage=0.0), backend("b", kv_usage=0.5)
+    clock = FakeClock(a, b)
+    policy = seed_policy({"refresh_s": 10.0})
+    policy.choose(REQ, clock.snapshot(), random.Random(0))
+    a.draining = True  # leaves the candidates: never picked from stale weights
+    clock.now_s = 0.01
+    assert policy.choose(REQ, clock.snapshot(), random.Random(0)).ranked == ("b",)
+    a.draining = False
+    clock.now_s = 0.0  # a new simulation run on the same policy object
+    policy.choose(REQ, clock.snapshot(), random.Random(0))
+    assert policy.weights.num_computed == 3
