@@ -12,8 +12,7 @@ weighted-random pick on W) and round robin (static, all weights equal). Slow-nod
 demotion is off, so no other mechanism moves the static side's weights. Scenarios:
 
 * ``hetero12``: 4 x H100, 4 x A100, 4 x L40S single-GPU Llama-3.1-8B replicas; static
-  weights by HBM bandwidth (3.35 : 2.0 : 0.86 TB/s; the routing table squares a
-  configured weight, so 1.97 / 1.52 / 1.0 give 3.9 : 2.3 : 1);
+  weights by HBM bandwidth (3.35 : 2.0 : 0.86 TB/s = 3.9 : 2.3 : 1);
 * ``h100x8``: seed 000's own setting, 8 H100 nodes serving Qwen2-72B (one TP4 replica
   each), equal static weights (static WRR is then round robin);
 * ``h100x8-slow``: the same with one node 3x slower from t = 10 s (a degraded node that
@@ -50,7 +49,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 def hetero12() -> ClusterConfig:
     backends = [
         {"name": name, "gpu": gpu, "model": "llama-3.1-8b", "count": 4, "weight": weight}
-        for name, gpu, weight in (("h100", "H100", 1.97), ("a100", "A100", 1.52),
+        for name, gpu, weight in (("h100", "H100", 3.9), ("a100", "A100", 2.3),
                                   ("l40s", "L40S", 1.0))
     ]  # fmt: skip
     data = {"name": "hetero12", "gateway": NO_DEMOTION, "backends": backends}

@@ -1,7 +1,7 @@
 """Thermal throttling (S3.7) on a real local cluster: three twin processes, the gateway
 process, steady streaming load. One twin gets a fast-heating thermal fault; the twin's
 ``/metrics`` must show it hot and throttled, and the gateway's slow-node demotion must
-demote it (``effective_weight`` < ``weight``) within ``DEMOTE_WITHIN_S`` of the first
+demote it (``effective_weight`` < 1) within ``DEMOTE_WITHIN_S`` of the first
 throttled scrape, with no failed request. (Once demoted it gets almost no traffic, so
 it cools below ``resume_at_c`` and its clock comes back: the model's hysteresis loop.)"""
 
@@ -90,7 +90,7 @@ async def test_thermal_throttling_is_demoted(env: DrillEnv) -> None:
 
         async def demoted() -> bool:
             row = (await env.backends())[victim]
-            return bool(row["effective_weight"] < row["weight"] - 1e-9)
+            return bool(row["effective_weight"] < 1.0 - 1e-9)
 
         demote_s = await _until(demoted, DEMOTE_WITHIN_S)
         assert demote_s is not None, await env.backends()

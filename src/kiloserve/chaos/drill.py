@@ -45,7 +45,7 @@ async def _settle(env: DrillEnv) -> None:
     while time.monotonic() < deadline:
         rows = await env.backends()
         if len(rows) == len(env.names()) and all(
-            r["routable"] and r["effective_weight"] >= r["weight"] - 1e-9 for r in rows.values()
+            r["routable"] and r["effective_weight"] >= 1.0 - 1e-9 for r in rows.values()
         ):
             return
         await asyncio.sleep(0.1)

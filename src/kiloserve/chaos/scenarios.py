@@ -53,7 +53,7 @@ class Scenario:
 
 
 def _is_full(row: dict[str, Any]) -> bool:
-    return bool(row["routable"]) and row["effective_weight"] >= row["weight"] - 1e-9
+    return bool(row["routable"]) and row["effective_weight"] >= 1.0 - 1e-9
 
 
 async def _unhealthy(env: DrillEnv, victim: str) -> bool:
@@ -63,7 +63,7 @@ async def _unhealthy(env: DrillEnv, victim: str) -> bool:
 
 async def _demoted(env: DrillEnv, victim: str) -> bool:
     row = (await env.backends()).get(victim)
-    return row is not None and row["effective_weight"] < row["weight"] - 1e-9
+    return row is not None and row["effective_weight"] < 1.0 - 1e-9
 
 
 async def _back(env: DrillEnv, victim: str) -> bool:

@@ -135,10 +135,10 @@ def _weight_why(rec: BackendRecord, ft: Mapping[str, Any]) -> str:
         if ft.get("recovering"):
             return f"slow start back to {s.weight:g} after demotion ({label})"
         return f"demoted from {s.weight:g}: {label}"
-    if s.effective_weight == s.weight:
+    if s.effective_weight == 1.0:
         return "as configured"
-    verb = "reduced" if s.effective_weight < s.weight else "raised"
-    return f"{verb} from the configured {s.weight:g}"
+    verb = "reduced" if s.effective_weight < 1.0 else "raised"
+    return f"{verb} to {s.effective_weight:g}x the configured {s.weight:g}"
 
 
 def _backend_row(

@@ -75,7 +75,9 @@ class _TableCollector(Collector):
                 PREFIX + "backend_draining", "1 if the backend is draining", labels=labels
             ),
             "effective_weight": GaugeMetricFamily(
-                PREFIX + "backend_effective_weight", "weight used for routing", labels=labels
+                PREFIX + "backend_effective_weight",
+                "health factor on the weight (1: as configured)",
+                labels=labels,
             ),
             "scrape_stale": GaugeMetricFamily(
                 PREFIX + "scrape_stale", "1 if the engine metrics are stale", labels=labels

@@ -95,7 +95,7 @@ def _new_state(cfg: BackendConfig) -> BackendState:
         version=cfg.version,
         cost_per_hour=cfg.cost_per_hour,
         weight=cfg.weight,
-        effective_weight=cfg.weight,
+        effective_weight=1.0,  # the health factor; policies multiply by weight
         kv_capacity_tokens=cfg.kv_capacity_tokens,
         scrape_stale=True,
     )

@@ -187,12 +187,13 @@ class Resilience:
             self._apply_weight(b, now_s)
 
     def reset_weight(self, backend_id: str) -> None:
-        """The backend's configured weight changed: base its effective weight on the
-        new one from the next tick (any demotion factor still applies)."""
+        """The backend's configured weight changed: its health factor starts again
+        from 1.0 at the next tick (any demotion factor still applies; policies multiply
+        the configured weight by it)."""
         self._base_weight.pop(backend_id, None)
         state = self.table.state_or_none(backend_id)
         if state is not None:
-            state.effective_weight = state.weight
+            state.effective_weight = 1.0
 
     def _apply_weight(self, backend_id: str, now_s: float) -> None:
         state = self.table.state(backend_id)
