@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import sys
 import time
@@ -45,6 +44,7 @@ MODEL = "Qwen2-7B"  # the catalog name of qwen2.5-7b, served as such by the twin
 SHORT = "synthetic:input=uniform(16,127),output=uniform(10,50)"
 LONG = "synthetic:input=lognormal(1200,0.5),output=lognormal(600,0.5)"  # decode-heavy: KV-bound
 GPU, CATALOG_MODEL, KV_TOKENS = "A10", "qwen2.5-7b", 42032
+KV_BYTES_PER_TOKEN = 57344  # the catalog's figure for qwen2.5-7b in bf16 (memory ledger)
 SHORT_MAX_TOKENS = 128
 SLO_TTFT_S, SLO_TPOT_S = 2.0, 0.15
 
@@ -60,11 +60,7 @@ def mixed_workload(seed: int, rate: float | None, duration_s: float | None) -> W
     ]  # fmt: skip
 
     def make_iter() -> Iterator[RequestSpec]:
-        tagged = [
-            dataclasses.replace(r, request_id=f"{name}-{r.request_id}")
-            for name, wl in parts
-            for r in wl
-        ]
+        tagged = [r.replaced(request_id=f"{name}-{r.request_id}") for name, wl in parts for r in wl]
         if rate is None:  # closed loop: alternate
             tagged.sort(key=lambda r: int(r.request_id.rsplit("-", 1)[-1]))
         else:
@@ -91,6 +87,7 @@ def admission_options(on: bool, args: argparse.Namespace) -> dict[str, Any]:
         return {"seed": args.seed}
     capacity = {
         "default_kv_capacity_tokens": KV_TOKENS,
+        "kv_bytes_per_token": {MODEL: KV_BYTES_PER_TOKEN},
         "kv_budget_frac": args.kv_budget_frac,
         "kv_estimate": args.kv_estimate,
         "decode_growth_frac": args.decode_growth_frac,
@@ -103,6 +100,7 @@ def admission_options(on: bool, args: argparse.Namespace) -> dict[str, Any]:
         "max_queue_len": 512,
         "max_queue_wait_s": args.max_queue_wait_s,
         "short_max_tokens": SHORT_MAX_TOKENS,
+        "window_s": args.window_s,
         "capacity": capacity,
     }
     return {"seed": args.seed, "admission": admission}
@@ -277,6 +275,7 @@ def main() -> int:
     p.add_argument("--decode-growth-frac", type=float, default=0.1)
     p.add_argument("--short-extra-budget-frac", type=float, default=0.03)
     p.add_argument("--max-queue-wait-s", type=float, default=1.5)
+    p.add_argument("--window-s", type=float, default=0.0, help="memory-budget window (S2.2)")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--only", choices=["on", "off"], default=None)
     p.add_argument("--out", type=Path, default=REPO / "runs" / "flow-control")

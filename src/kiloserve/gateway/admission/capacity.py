@@ -4,9 +4,11 @@ Pure functions of a ``BackendState`` plus the gateway's own reservations; no clo
 no I/O, so the simulator can reuse them.
 
 * A request's memory need (S2.2) is its peak KV footprint: ``input + output`` tokens.
-  With a known KV size per token that is ``tokens * kv_bytes_per_token`` bytes;
-  without one the seed-000 calibration is the fallback:
-  ``input * 200 KB + output * 1500 KB``.
+  With a known KV size per token (``kv_bytes_per_token[model]``) that is
+  ``tokens * kv_bytes_per_token`` bytes; without one the seed-000 calibration is the
+  fallback: ``input * 200 KB + output * 1500 KB``. The controller counts it in KV tokens
+  (``memory_need_kv_tokens``): exact with a known size, else the seed's bytes over its
+  200 KB per prompt token (``input + 7.5 * output``).
 * A backend's used KV (``kv_estimate: reserved``, the default) is the larger of what
   its engine reports (``kv_usage * kv_capacity_tokens``) and what the gateway has
   reserved (peak need) for the requests it sent there that are still in flight (the
@@ -14,6 +16,12 @@ no I/O, so the simulator can reuse them.
   ``kv_estimate: scraped`` packs tighter: the engine's figure plus what it does not
   hold yet (prompts not yet prefilled, ``decode_growth_frac`` of the expected output of
   the requests in flight, requests sent since the scrape).
+* The engine's prefill queue (S2.3): a request that is not short goes to a backend
+  only while the prompt tokens sent there and not yet answered with a first token
+  (plus granted, unsent ones) stay within ``max_queued_prefill_tokens``, or while the
+  engine's scrape shows no waiting request and at least as many running as the
+  gateway granted there; so long prompts wait at the gateway (where short ones pass
+  them), not in the engine's FIFO.
 * The in-flight cap per backend is ``max_in_flight_per_backend``, reduced to
   ``reduced_max_in_flight`` while the backend is over its KV budget or its scraped KV
   usage is above ``kv_high_watermark`` (S2.3, per backend, not global).
@@ -21,6 +29,7 @@ no I/O, so the simulator can reuse them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -33,9 +42,12 @@ __all__ = [
     "SEED_OUTPUT_KB_PER_TOKEN",
     "CapacityConfig",
     "Room",
+    "has_prefill_room",
     "has_room",
     "in_flight_cap",
+    "is_engine_caught_up",
     "memory_need_bytes",
+    "memory_need_kv_tokens",
     "memory_need_tokens",
 ]
 
@@ -53,6 +65,7 @@ class CapacityConfig(BaseModel):
     decode_growth_frac: float = Field(default=0.5, ge=0.0, le=1.0)
     short_extra_budget_frac: float = Field(default=0.0, ge=0.0, le=1.0)
     kv_high_watermark: float = Field(default=0.85, gt=0.0, le=1.0)
+    max_queued_prefill_tokens: int | None = Field(default=8192, ge=1)
     max_in_flight_per_backend: int = Field(default=256, ge=1)
     reduced_max_in_flight: int = Field(default=16, ge=1)
     default_kv_capacity_tokens: int | None = Field(default=None, ge=1)
@@ -72,6 +85,42 @@ def memory_need_bytes(
         return memory_need_tokens(input_tokens, output_tokens) * kv_bytes_per_token
     kb = input_tokens * SEED_INPUT_KB_PER_TOKEN + output_tokens * SEED_OUTPUT_KB_PER_TOKEN
     return max(1, kb) * 1024
+
+
+def memory_need_kv_tokens(
+    input_tokens: int, output_tokens: int, kv_bytes_per_token: int | None = None
+) -> int:
+    """``memory_need_bytes`` in KV tokens: ``input + output`` with a known size per token;
+    else the seed's estimate over its per-prompt-token size (``input + 7.5 * output``)."""
+    per_token = kv_bytes_per_token or SEED_INPUT_KB_PER_TOKEN * 1024
+    need = memory_need_bytes(input_tokens, output_tokens, kv_bytes_per_token)
+    return max(1, math.ceil(need / per_token))
+
+
+def is_engine_caught_up(s: BackendState) -> bool:
+    """The engine's fresh scrape says nothing waits and it runs every request the
+    gateway granted there (so none of them is still queued, whatever the gateway's own
+    prefill count says: a non-streamed request shows no first token until it ends)."""
+    if s.scrape_stale or s.num_waiting != 0 or s.num_running is None:
+        return False
+    return s.admitted_in_flight <= s.num_running
+
+
+def has_prefill_room(
+    cfg: CapacityConfig,
+    queued_prefill_tokens: int,
+    input_tokens: int,
+    is_short: bool,
+    is_caught_up: bool = False,
+) -> bool:
+    """May a prompt of ``input_tokens`` join a backend whose engine has
+    ``queued_prefill_tokens`` still to prefill (S2.3)? Short prompts always may (they
+    join the running batch at once); an empty queue always takes one, and so does an
+    engine that ``is_engine_caught_up``."""
+    limit = cfg.max_queued_prefill_tokens
+    if limit is None or is_short or queued_prefill_tokens <= 0 or is_caught_up:
+        return True
+    return queued_prefill_tokens + input_tokens <= limit
 
 
 @dataclass(frozen=True, slots=True)

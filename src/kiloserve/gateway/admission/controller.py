@@ -6,7 +6,11 @@ best backend with room in the router's decision (``Router.decide``, asked once, 
 the request is placed: the proxy forwards along that same ranking, with the reserved
 backend first and the rest after it as fallbacks). Otherwise it waits in the pool's
 ``PoolQueue`` until ``pump`` releases it: on every completion and every ``tick_s``
-(a ticker task that also expires waiters past their deadline with a 503). A full
+(a ticker task that also expires waiters past their deadline with a 503). With
+memory-budget windows (``window_s`` > 0) every arrival waits for its window to close;
+what does not fit then waits for the next window, not for the next completion. A
+request's need is ``capacity.memory_need_kv_tokens`` (the seed's estimate unless
+``capacity.kv_bytes_per_token`` names the model). A full
 lane is a 429 with ``Retry-After``. ``done`` returns a request's reservation.
 """
 
@@ -23,7 +27,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from kiloserve.errors import QueueFullError, UnavailableError
-from kiloserve.gateway.admission.capacity import has_room, memory_need_tokens
+from kiloserve.gateway.admission.capacity import (
+    has_prefill_room,
+    has_room,
+    is_engine_caught_up,
+    memory_need_kv_tokens,
+)
 from kiloserve.gateway.admission.queue import LANES, AdmissionConfig, PoolQueue, Waiter, lane_of
 from kiloserve.policies.base import RequestInfo
 from kiloserve.routing.router import Router
@@ -109,7 +118,9 @@ class AdmissionController:
         self._infos: dict[int, RequestInfo] = {}
 
     # -- capacity ------------------------------------------------------------------
-    def _roomy(self, model: str, need_tokens: int, is_short: bool) -> set[str]:
+    def _roomy(
+        self, model: str, need_tokens: int, is_short: bool, input_tokens: int = 0
+    ) -> set[str]:
         cap = self.cfg.capacity
         out: set[str] = set()
         self.table.sync()  # the other workers' grants (routing/shared_load.py)
@@ -122,14 +133,17 @@ class AdmissionController:
             room = has_room(
                 s, cap, need_tokens, s.reserved_tokens, s.admitted_in_flight, pending, is_short
             )
-            if room.is_free:
+            queued = s.outstanding_prefill_tokens + s.undispatched_tokens
+            if room.is_free and has_prefill_room(
+                cap, queued, input_tokens, is_short, is_engine_caught_up(s)
+            ):
                 out.add(bid)
         return out
 
     def _place(self, info: RequestInfo, need_tokens: int) -> Admission | None:
         """Reserve the policy's best backend with room; None when none has room."""
         is_short = lane_of(info.input_tokens, self.cfg) == "short"
-        roomy = self._roomy(info.model, need_tokens, is_short)
+        roomy = self._roomy(info.model, need_tokens, is_short, info.input_tokens)
         if not roomy:
             return None
         decision = self.router.decide(info, time.monotonic())
@@ -171,7 +185,10 @@ class AdmissionController:
     async def admit(self, info: RequestInfo) -> Admission:
         """Wait for room; raises QueueFullError (429) or UnavailableError (503), both
         with ``Retry-After: admission.retry_after_s``."""
-        need = memory_need_tokens(info.input_tokens, info.predicted_output_tokens)
+        kv_bytes_per_token = self.cfg.capacity.kv_bytes_per_token.get(info.model)
+        need = memory_need_kv_tokens(
+            info.input_tokens, info.predicted_output_tokens, kv_bytes_per_token
+        )
         q = self._queue(info.model)
         now = time.monotonic()
         if not len(q) and self.cfg.window_s <= 0:
@@ -206,11 +223,13 @@ class AdmissionController:
             self._infos.pop(id(w), None)
 
     def pump(self, now_s: float) -> None:
-        """Release every waiter that may go now, in queue order."""
+        """Release every waiter that may go now, in queue order; with windows
+        (``window_s`` > 0) what did not fit waits for the next window (S2.2)."""
         for model, q in self.queues.items():
             self._expire(model, q, now_s)
             while len(q) and self._release_one(model, q, now_s):
                 pass
+            q.hold_leftovers(now_s)
 
     def _release_one(self, model: str, q: PoolQueue, now_s: float) -> bool:
         smallest = q.min_need_tokens(now_s)

@@ -7,7 +7,8 @@ wait time (``expire`` hands back the requests past their deadline, answered 503)
 Order of release, best first (``pick``):
 
 * **priority** (larger is more urgent): ``strict`` serves the highest class first, with
-  ageing (+1 class per ``ageing_s`` waited); ``weighted`` shares releases between
+  ageing (+1 class per ``ageing_s`` waited, up to the highest class waiting: with one
+  class, ageing never reorders the lanes); ``weighted`` shares releases between
   classes in proportion to ``priority_weights`` (stride scheduling);
 * **lane** (S2.3): short prompts (< ``short_max_tokens``) before medium before long
   (> ``long_min_tokens``); each lane has its own bound, so a burst of long requests
@@ -17,13 +18,15 @@ Order of release, best first (``pick``):
   KV tokens (virtual time, weighted by ``tenant_weights``) goes first, so one tenant's
   burst cannot starve another;
 * **memory-budget windows** (S2.2, ``window_s`` > 0): arrivals are held until their
-  window closes, then released smallest memory need first while budget remains.
+  window closes, then released smallest memory need first while budget remains; what
+  does not fit waits for the next window (``hold_leftovers``).
 
 A request is released only if ``fits`` says some backend has room; a smaller one may
 pass a larger one that does not fit, except that once a request has waited
-``starvation_s`` only short-lane requests may pass it (their KV footprint is tiny, so
-the starving one still gets the memory that frees up: nothing starves, and short
-requests are never stuck behind a long one).
+``starvation_s`` only shorter prompts may pass it (so short requests are never stuck
+behind a long one, and a starving request is passed by nothing at least its size;
+under sustained overload a long request may still wait until ``max_queue_wait_s``
+and be answered 503: overload falls on long requests, not short ones).
 """
 
 from __future__ import annotations
@@ -161,6 +164,16 @@ class PoolQueue:
         w = self.cfg.window_s
         return now_s if w <= 0.0 else (math.floor(now_s / w) + 1) * w
 
+    def hold_leftovers(self, now_s: float) -> None:
+        """Windows only: what was eligible at ``now_s`` and is still queued waits for
+        the next window (not for the next completion or tick)."""
+        if self.cfg.window_s <= 0.0:
+            return
+        next_s = self.window_end(now_s)
+        for w in self._waiters:
+            if w.eligible_s <= now_s:
+                w.eligible_s = next_s
+
     def push(self, w: Waiter) -> None:
         """Queue ``w`` (its lane is set here); raises QueueFullError when the lane is full."""
         w.lane = lane_of(w.input_tokens, self.cfg)
@@ -196,7 +209,7 @@ class PoolQueue:
     def _class_weight(self, priority: int) -> float:
         return self.cfg.priority_weights.get(priority, float(max(1, priority + 1)))
 
-    def _key(self, w: Waiter, now_s: float) -> tuple[float, ...]:
+    def _key(self, w: Waiter, now_s: float, top_priority: int) -> tuple[float, ...]:
         cfg = self.cfg
         waited_s = now_s - w.enqueued_s
         starving = 0.0 if waited_s >= cfg.starvation_s else 1.0
@@ -204,7 +217,7 @@ class PoolQueue:
             cls = self._class_pass.get(w.priority, 0.0)
         else:
             boost = math.floor(waited_s / cfg.ageing_s) if cfg.ageing_s > 0 else 0
-            cls = -float(w.priority + boost)
+            cls = -float(w.priority + min(boost, top_priority - w.priority))
         order = float(w.need_tokens) if cfg.window_s > 0 else float(_LANE_RANK[w.lane])
         return (starving, cls, order, self._fair.vtime(w.tenant), w.enqueued_s)
 
@@ -215,24 +228,20 @@ class PoolQueue:
     def ordered(self, now_s: float) -> list[Waiter]:
         """Waiters eligible now, best first."""
         ready = [w for w in self._waiters if w.eligible_s <= now_s]
-        ready.sort(key=lambda w: self._key(w, now_s))
+        top = max((w.priority for w in ready), default=0)
+        ready.sort(key=lambda w: self._key(w, now_s, top))
         return ready
 
     def pick(self, now_s: float, fits: Callable[[Waiter], bool]) -> Waiter | None:
-        """Remove and return the best eligible waiter that ``fits``; None if none may go."""
+        """Remove and return the best eligible waiter that ``fits``; None if none may go.
+        A starving waiter that does not fit lets only shorter prompts pass it."""
+        limit_tokens = math.inf
         for w in self.ordered(now_s):
-            if fits(w):
+            if w.input_tokens < limit_tokens and fits(w):
                 self._release(w)
                 return w
             if now_s - w.enqueued_s >= self.cfg.starvation_s:
-                return self._pick_short(now_s, fits)  # only short requests pass a starving one
-        return None
-
-    def _pick_short(self, now_s: float, fits: Callable[[Waiter], bool]) -> Waiter | None:
-        for w in self.ordered(now_s):
-            if w.lane == "short" and fits(w):
-                self._release(w)
-                return w
+                limit_tokens = min(limit_tokens, w.input_tokens)
         return None
 
     def _release(self, w: Waiter) -> None:
