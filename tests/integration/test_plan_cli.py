@@ -167,3 +167,32 @@ async def test_plan_from_a_sweep_measured_on_a_twin(tmp_path: Path) -> None:
     best = _plan(tmp_path / "out")["recommended"]
     assert best["per_replica_rps"] == pytest.approx(expected)
     assert best["num_replicas"] == math.ceil(50 / expected * 1.25 - 1e-9)
+
+
+def test_plan_stages_writes_the_five_stages(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--stages: five stages (1 -> 1,024 cards), each simulated at the load its cards
+    sustain; stages.md and stages.json agree with the capacity in the sweep file."""
+    sweep = _sweep(tmp_path / "sweep.json")
+    args = ["plan", *SMALL, *SLO, "--rate", "20", "--sweep-file", str(sweep), "--stages"]
+    assert main([*args, "--sim-duration", "1", "--out", str(tmp_path / "out")]) == 0
+    data = json.loads((tmp_path / "out" / "stages.json").read_text())
+    stages = data["stages"]
+    assert [s["num_cards"] for s in stages] == [1, 4, 32, 256, 1024]
+    for stage in stages:
+        replicas = stage["num_cards"]  # TP1
+        assert stage["deployment"]["num_replicas"] == replicas
+        assert stage["rate_rps"] == pytest.approx(replicas * 4.0 / 1.25)  # capacity / headroom
+        targets = stage["targets_ms"]
+        assert 0 < targets["ttft_p50"] <= targets["ttft_p95"]
+        assert 0 < targets["tpot_p50"] <= targets["tpot_p95"]
+        assert all(m["reason"] for m in stage["must_dos"] + stage["indicators"])
+    texts = [" | ".join(m["text"] for m in s["must_dos"]) for s in stages]
+    assert "gateway" not in texts[0] and "load-aware routing" in texts[1]
+    assert "etcd registry" not in texts[1] and "etcd registry" in texts[2]
+    assert "gateway workers" in texts[4]  # 3,277 req/s of 20-token streams: 2.8 cores
+    md = (tmp_path / "out" / "stages.md").read_text()
+    assert md.count("## Stage ") == 5 and "The target, 20 req/s, is within stage 3." in md
+    printed = capsys.readouterr().out
+    assert "## Stage 5: 1,024 card(s)" in printed and "stages.json" in printed

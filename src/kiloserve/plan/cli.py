@@ -83,6 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--pareto", action="store_true", help="cost vs P95 across cluster sizes (with a plot)")
     a("--pareto-sizes", help="GPU counts for --pareto, e.g. 128,256,512,1024")
     a("--pareto-load", choices=PARETO_LOADS, default="scaled", help="see docs/planner.md")
+    a("--stages", action="store_true", help="the five growth stages (1 -> 1,024 cards)")
     a("--policy", default="default", help="routing policy for --verify / --pareto (default)")
     a("--sim-duration", type=float, default=60.0, help="seconds of arrivals per cluster run")
     a("--out", default="plan-out", help="output folder for plan.json (plan-out)")
@@ -112,7 +113,37 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "plan.json", plan)
     console.print(f"plan: {out / 'plan.json'}")
+    if args.stages:
+        _stages(args, candidates, capacities, prices, slo, mean_out, console)
     return 0 if deployments else 1
+
+
+def _stages(
+    args: argparse.Namespace,
+    candidates: Sequence[Candidate],
+    capacities: dict[str, CapacityResult],
+    prices: dict[str, float],
+    slo: PercentileSlo,
+    mean_out: float,
+    console: Console,
+) -> None:
+    """``--stages``: simulate the five growth stages; print and write stages.md/.json."""
+    from kiloserve.plan.stage_runs import run_stages, write_stages
+
+    stages = run_stages(
+        candidates, capacities, lambda c: price_for(c.gpu, prices), slo=slo,
+        workload_spec=args.workload, mean_output_tokens=mean_out, headroom=args.headroom,
+        seed=args.seed, duration_s=args.sim_duration, policy=args.policy,
+    )  # fmt: skip
+    header = {
+        "command": _command(args), "model": get_model(args.model).name,
+        "workload": args.workload, "slo": str(slo), "target_rps": args.rate,
+        "headroom": args.headroom,
+        "duration_s": args.sim_duration, "policy": args.policy, "seed": args.seed,
+    }  # fmt: skip
+    text = write_stages(Path(args.out), stages, header)
+    console.print(text, markup=False, highlight=False, soft_wrap=True)
+    console.print(f"stages: {Path(args.out) / 'stages.md'}, {Path(args.out) / 'stages.json'}")
 
 
 def _check_args(args: argparse.Namespace) -> None:

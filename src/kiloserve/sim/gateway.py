@@ -25,6 +25,7 @@ from kiloserve.routing.router import Router
 from kiloserve.routing.table import BackendRecord, BackendTable
 from kiloserve.sim.backend import SimBackend
 from kiloserve.sim.cluster import scrape_into
+from kiloserve.sim.demotion import SimDemotion
 from kiloserve.sim.kvevents import SimKvEvents
 from kiloserve.sim.request import SimRequest
 from kiloserve.sim.sequence import SimSequence
@@ -77,12 +78,15 @@ class SimGateway:
         self._records = [self.table.record(b.backend_id) for b in backends]
         self._num_prefix_blocks = cfg.max_prefix_tokens // cfg.block_size
         # each model's candidates; None after a scrape changed a backend's health (the
-        # only way health changes here: no admin drains, demotion or probes are modelled)
+        # only way health changes here: no admin drains or probes are modelled; demotion
+        # changes weights, which the candidates read live)
         self._candidates: dict[str, tuple[BackendState, ...]] | None = None
         self.num_dead = 0  # backends whose engine is down (kept by the simulator's faults)
         # the last decision's prefix matches (``route`` keeps them on the request, for
         # the per-attempt accounting of the tokens expected cached, as the proxy does)
         self.last_cached_blocks: Mapping[str, int] | None = None
+        # the gateway's slow-node demotion (sim.demotion), on when the config has it on
+        self.demotion = SimDemotion(cfg.demotion, self.table) if cfg.demotion.enabled else None
 
     def profile(self, spec: RequestSpec, model: str, seq: SimSequence) -> RequestInfo:
         """The profile the gateway builds for the bench client's request for ``spec``."""
@@ -134,16 +138,20 @@ class SimGateway:
         ttft_ms = (now_s - request.attempt_start_s) * 1000.0
         backend_id = self.backends[request.backend_index].backend_id
         self.router.first_token(backend_id, request.info, ttft_ms)
+        if self.demotion is not None:
+            self.demotion.on_first_token(backend_id, now_s, ttft_ms)
 
     def complete(self, request: SimRequest, status: int, now_s: float) -> None:
         """Account the end of the current attempt (``status`` 200: success)."""
         backend_id = self.backends[request.backend_index].backend_id
-        self.router.complete(
+        outcome = self.router.complete(
             backend_id, request.info, ok=status == 200, status=status,
             started_s=request.attempt_start_s, first_token_s=request.gateway_first_token_s,
             last_token_s=now_s,
             output_tokens=request.spec.output_tokens if status == 200 else 0,
         )  # fmt: skip
+        if outcome.ok and self.demotion is not None:
+            self.demotion.on_complete(backend_id, now_s, outcome.tpot_ms)
 
     def scrape(self, now_s: float) -> None:
         """One scrape round over every backend, then the staleness rule.
@@ -154,6 +162,8 @@ class SimGateway:
         changed (``SimBackend.changed``) are visited; otherwise every one is.
         """
         table, backends = self.table, self.backends
+        if self.demotion is not None:
+            self.demotion.maybe_tick(now_s)
         changed = backends[0].changed if backends else set()
         if self.num_dead == 0 and self.cfg.stale_after_s >= self.cfg.scrape_interval_s:
             for index in sorted(changed):

@@ -110,6 +110,7 @@ def simulate(
         "backend_timeseries": timeseries,
         **_sim_keys(run.sim, wall_s),
         **_cache_and_pools(run),
+        "demotions": _demotions(run.sim),
     }
     return SimResult(summary, run.metrics.routing, run.metrics.records, timeseries)
 
@@ -246,6 +247,14 @@ def _cache_and_pools(run: _Run) -> dict[str, Any]:
             "index_blocks": events.cache.index.num_blocks if events is not None else 0,
         },
     }
+
+
+def _demotions(sim: Simulator) -> dict[str, Any]:
+    """Slow-node demotions per backend (``sim.demotion``); enabled False when off."""
+    demotion = sim.gateway.demotion
+    if demotion is None:
+        return {"enabled": False, "by_backend": {}}
+    return {"enabled": True, "by_backend": dict(sorted(demotion.num_demotions.items()))}
 
 
 def _digesting(specs: Iterator[RequestSpec], digest: WorkloadDigest) -> Iterator[RequestSpec]:

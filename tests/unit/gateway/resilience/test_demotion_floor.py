@@ -59,7 +59,8 @@ def test_a_4x_slower_backend_is_still_demoted() -> None:
     _feed(d, 0.0, 100.0, {"a": 8.0, "b": 8.5, "c": 7.5, "d": 32.0})
     events = d.evaluate(0.0, POOLS)
     assert [(e.backend_id, e.reason) for e in events] == [("d", "tpot_pool")]
-    assert events[0].threshold_ms == pytest.approx(20.0)  # max(2.5 x 8, 8 + 10)
+    # max(2.5 x 8.5, 8.5 + 10): 8.5 is the others' 0.9 quantile (pool_quantile)
+    assert events[0].threshold_ms == pytest.approx(21.25)
     assert d.weight_factor("d", 0.0) == pytest.approx(0.2)
 
 
@@ -88,3 +89,16 @@ def test_identical_streaming_backends_are_never_demoted_in_20_s() -> None:
             d.observe(backend, now_s, 5.0 + 15.0 * num_queued + rng.random(), rng.random() / 50)
         events += [e for e in d.evaluate(now_s, POOLS) if e.reason]
     assert events == []
+
+
+def test_a_stalled_but_healthy_backend_is_judged_against_the_pools_spread() -> None:
+    """Under load a chunked long prefill stalls the decodes beside it: a healthy backend
+    that just took long documents shows TPOTs above the pool's median but inside its
+    spread. The yardstick is the others' upper decile (``pool_quantile`` 0.9), so it is
+    not demoted; with the median (0.5) it was."""
+    spread = {f"b{i}": 30.0 + 4.0 * i for i in range(10)}  # 30 .. 66 ms
+    pools = {b: tuple([*spread, "hot"]) for b in [*spread, "hot"]}
+    for q, expected in ((0.9, []), (0.5, [("hot", "tpot_pool")])):
+        d = _demoter(pool_quantile=q)
+        _feed(d, 0.0, 100.0, {**spread, "hot": 130.0})
+        assert [(e.backend_id, e.reason) for e in d.evaluate(0.0, pools)] == expected
