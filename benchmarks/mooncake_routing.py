@@ -213,7 +213,7 @@ def main() -> int:
     p.add_argument(
         "--live-budget", type=float, default=360.0, help="s; a longer live part is skipped"
     )
-    p.add_argument("--traces-dir", type=Path, help="default: ../shared/data/traces")
+    p.add_argument("--traces-dir", type=Path, help="default: the packaged traces")
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--out", type=Path, default=REPO / "runs" / "mooncake-routing")
     args = p.parse_args()

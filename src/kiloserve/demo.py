@@ -4,7 +4,10 @@
    streams a handful of requests through the gateway, showing TTFT / TPOT per backend.
 2. Runs ``kiloserve compare`` (short) on the same cluster: round robin, least request and
    the default policy under a mixed chat + long-document workload with shared prefixes,
-   and prints the side-by-side table and the report's path.
+   and prints the side-by-side table.
+3. Ends with where to look next (``next_steps``): the report, the live dashboard (a
+   command that starts the cluster for it: the demo's own clusters are gone by then)
+   and one command to try.
 
 Environment knobs: ``KILOSERVE_DEMO_REQUESTS`` (default 150), ``KILOSERVE_DEMO_RATE``
 (requests/s, default 6), ``KILOSERVE_DEMO_OUT`` (default ``runs/demo``).
@@ -24,15 +27,19 @@ from kiloserve.bench.client import ClientOptions, run_bench
 from kiloserve.bench.compare import compare_policies, default_model
 from kiloserve.launch.cli import backend_table
 from kiloserve.launch.cluster import LocalCluster
-from kiloserve.launch.config import load_cluster_config
+from kiloserve.launch.config import ClusterConfig, load_cluster_config
 from kiloserve.results.metrics import parse_slo, summarize
 from kiloserve.workload import OpenLoop, Workload, load_workload
 
-__all__ = ["main"]
+__all__ = ["main", "next_steps"]
 
 REPO = Path(__file__).resolve().parents[2]
 WORKLOAD = "mix:chat=0.7,longdoc=0.1,short=0.2"
 POLICIES = ("round_robin", "least_request", "default")
+TRY_COMMAND = (
+    "kiloserve sim -c examples/cluster-1024.yaml --workload azure-conv --num-requests 5000 "
+    "--policy round_robin --policy default --out runs/sim"
+)
 
 
 def _workload(num_requests: int, rate: float) -> Workload:
@@ -76,13 +83,35 @@ def main() -> int:
     runs = compare_policies(
         cfg, POLICIES, lambda: _workload(num_requests, rate), OpenLoop(None),
         model=default_model(cfg), out_dir=out_dir, slo=parse_slo("ttft=1s,tpot=50ms"),
-        options=ClientOptions(timeout_s=120), seed=7,
+        seed=7,
         command=["make", "demo"],
         on_policy=lambda p: console.print(f"policy [bold]{p}[/]: fresh cluster ..."),
     )  # fmt: skip
     print((out_dir / "comparison.md").read_text())
-    console.print(f"report: {out_dir / 'comparison.md'} (per-policy folders beside it)")
+    for line in next_steps(out_dir, cfg, cluster_path):
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
     return 0 if all(r.summary["requests_ok"] for r in runs) else 1
+
+
+def next_steps(out_dir: Path, cfg: ClusterConfig, cluster_path: Path) -> list[str]:
+    """The demo's last lines: the report, the dashboard, one command to try."""
+    host, port = cfg.gateway.host, cfg.gateway.port
+    url = f"http://{host}:{port}/dashboard" if port else "the dashboard URL it prints"
+    return [
+        "where to look next:",
+        f"  report:    {_shown(out_dir / 'comparison.md')} "
+        f"(per policy: {_shown(out_dir)}/<policy>/summary.md and plots)",
+        f"  dashboard: kiloserve up -c {_shown(cluster_path)} --open  (then {url})",
+        f"  try:       {TRY_COMMAND}",
+    ]
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the working directory when under it (what a user types)."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ class FakeServer:
         self.bodies: list[dict[str, Any]] = []
         self.auth: list[str | None] = []
         self.peers: set[object] = set()
+        self.stalled = False
         self._counter = itertools.count()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -85,6 +86,11 @@ class FakeServer:
                                            "x-kiloserve-backend": backend})  # fmt: skip
         await resp.prepare(request)
         if body["model"] == "hang":
+            await asyncio.sleep(10)
+        if body["model"] == "stall-once" and not self.stalled:  # one token, then nothing
+            self.stalled = True
+            choice = {"delta": {"content": " w"}} if is_chat else {"text": " w"}
+            await resp.write(b"data: " + orjson.dumps({"choices": [choice]}) + b"\n\n")
             await asyncio.sleep(10)
         gap_s = 0.002 if backend == "b0" else 0.01
         for i in range(body["max_tokens"]):
@@ -160,6 +166,32 @@ def test_errors_and_timeouts_are_counted(server: FakeServer) -> None:
     assert all(r.is_timeout and not r.is_ok for r in hung.records)
     summary = summarize(hung)
     assert summary["timeouts"] == 3 and summary["error_rate"] == 1.0
+
+
+def test_a_timed_out_request_counts_in_failures_and_percentiles(
+    server: FakeServer, tmp_path: Path
+) -> None:
+    """One request of 8 stalls after its first token: it fails, as a timeout, and enters
+    the E2E percentiles at its wait (TTFT at its real first token); nothing is dropped."""
+    options = ClientOptions(timeout_s=0.5)
+    result = asyncio.run(_bench(server.url, model="stall-once", num_requests=8,
+                                arrival=ClosedLoop(8), options=options))  # fmt: skip
+    summary = summarize(result)
+    assert (summary["requests_ok"], summary["requests_failed"], summary["timeouts"]) == (7, 1, 1)
+    (late,) = [r for r in result.records if r.is_timeout]
+    assert late.ttft_s is not None and late.ttft_s < 0.4 and late.e2e_s is not None
+    assert summary["e2e_ms"]["p99"] > 400.0  # the 0.5 s wait is in the percentiles
+    assert summary["ttft_ms"]["p99"] < 400.0  # its first token did come in time
+    assert summary["per_backend"][late.backend]["e2e_ms"]["p99"] > 400.0
+    # no first token at all: TTFT and E2E both count the wait until the timeout
+    hung = summarize(asyncio.run(_bench(server.url, model="hang", num_requests=2,
+                                        options=ClientOptions(timeout_s=0.3))))  # fmt: skip
+    assert hung["ttft_ms"]["p50"] >= 300.0 and hung["e2e_ms"]["p50"] >= 300.0
+    assert hung["tpot_ms"]["p50"] is None and hung["itl_ms"]["p50"] is None
+    write_comparison(tmp_path, {"stall": summary, "hang": hung}, title="t", plot=False)
+    table = (tmp_path / "comparison.md").read_text()
+    assert "| requests failed | 1 | 2 (2.00x) |" in table
+    assert "| timeouts (in failed) | 1 | 2 (2.00x) |" in table
 
 
 def test_chat_endpoint(server: FakeServer) -> None:

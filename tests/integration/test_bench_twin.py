@@ -25,10 +25,11 @@ from kiloserve.gateway.config import parse_gateway_config
 from kiloserve.results.metrics import parse_slo, summarize
 from kiloserve.results.report import write_report
 from kiloserve.workload import ClosedLoop, OpenLoop, Workload, load_workload
+from kiloserve.workload.traces import PACKAGED_TRACES_DIR
 
 MODEL = "Llama-3.1-8B"
 STEP_S = 0.004
-TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "traces"
+TRACES = PACKAGED_TRACES_DIR  # shipped with the package
 
 
 @contextlib.asynccontextmanager

@@ -23,7 +23,13 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kiloserve.bench.client import ENDPOINTS, ClientOptions, ProgressCounts, run_bench
+from kiloserve.bench.client import (
+    DEFAULT_TIMEOUT_S,
+    ENDPOINTS,
+    ClientOptions,
+    ProgressCounts,
+    run_bench,
+)
 from kiloserve.bench.sweep import parse_sweep, run_sweep, write_sweep
 from kiloserve.errors import ConfigError
 from kiloserve.results.metrics import Slo, parse_slo, summarize
@@ -66,7 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--slo", help="goodput SLOs, e.g. ttft=500ms,tpot=50ms,e2e=2s")
     a("--endpoint", choices=sorted(ENDPOINTS), default="completions")
     a("--sweep", help="concurrency=1,2,4,8 or rate=1,2,4: single-backend baseline sweep")
-    a("--timeout", type=float, default=600.0, help="per-request timeout in s (default 600)")
+    a("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+      help=f"per-request timeout in s (default {DEFAULT_TIMEOUT_S:g})")  # fmt: skip
     a("--api-key", help="bearer token (default: $OPENAI_API_KEY)")
     a("--time-scale", type=float, default=1.0, help="traces: multiply timestamps")
     a("--window", help="traces: START:END seconds of the trace to replay")

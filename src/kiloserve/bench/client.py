@@ -38,13 +38,21 @@ from kiloserve.results.records import BenchResult, RequestRecord
 from kiloserve.workload import ArrivalMode, ClosedLoop, RequestSpec, Workload
 from kiloserve.workload.digest import WorkloadDigest
 
-__all__ = ["ENDPOINTS", "ClientOptions", "ProgressCounts", "base_url", "run_bench"]
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "ENDPOINTS",
+    "ClientOptions",
+    "ProgressCounts",
+    "base_url",
+    "run_bench",
+]
 
 logger = logging.getLogger(__name__)
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 BACKEND_HEADER = "x-kiloserve-backend"
 MAX_ERROR_CHARS = 300
+DEFAULT_TIMEOUT_S = 600.0  # per request; every CLI's --timeout defaults to it
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +61,7 @@ class ClientOptions:
 
     endpoint: str = "completions"
     api_key: str | None = None
-    timeout_s: float = 600.0
+    timeout_s: float = DEFAULT_TIMEOUT_S
     ignore_eos: bool = True
 
 
@@ -245,12 +253,14 @@ class _Run:
         body = build_body(spec, self.model, self.opts)
         start = time.perf_counter()
         record = _new_record(spec, start - self.t0)
+        state = StreamState(start, is_chat=self.opts.endpoint == "chat")
         self._started()
         try:
             async with asyncio.timeout(self.opts.timeout_s):
-                await self._stream(session, body, record, start)
+                await self._stream(session, body, record, state)
         except TimeoutError:
             record.is_timeout, record.error = True, f"timeout after {self.opts.timeout_s:g} s"
+            record.ttft_s = state.ttft_s  # if the first token came in time (metrics use it)
         except (aiohttp.ClientError, OSError, ValueError) as exc:
             record.error = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
         if record.e2e_s is None or not record.is_ok:  # failures: time until the failure
@@ -260,7 +270,7 @@ class _Run:
         self._finished(record)
 
     async def _stream(
-        self, session: aiohttp.ClientSession, body: bytes, record: RequestRecord, start: float
+        self, session: aiohttp.ClientSession, body: bytes, record: RequestRecord, state: StreamState
     ) -> None:
         async with session.post(self.target, data=body) as resp:
             record.status = resp.status
@@ -269,7 +279,6 @@ class _Run:
                 text = await resp.text(errors="replace")
                 record.error = f"HTTP {resp.status}: {text}"[:MAX_ERROR_CHARS]
                 return
-            state = StreamState(start, is_chat=self.opts.endpoint == "chat")
             # read to the end of the body (not just [DONE]) so the connection is reused
             async for data in resp.content.iter_any():
                 state.feed(data, time.perf_counter())

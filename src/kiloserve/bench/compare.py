@@ -20,7 +20,7 @@ from typing import Any
 
 from rich.console import Console
 
-from kiloserve.bench.client import ENDPOINTS, ClientOptions, run_bench
+from kiloserve.bench.client import DEFAULT_TIMEOUT_S, ENDPOINTS, ClientOptions, run_bench
 from kiloserve.errors import ConfigError
 from kiloserve.launch.cluster import LocalCluster
 from kiloserve.launch.config import ClusterConfig, load_cluster_config
@@ -47,7 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--seed", type=int, default=0, help="workload and gateway seed")
     a("--slo", help="goodput SLOs, e.g. ttft=500ms,tpot=50ms")
     a("--endpoint", choices=sorted(ENDPOINTS), default="completions")
-    a("--timeout", type=float, default=120.0, help="per-request timeout in s")
+    a("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+      help=f"per-request timeout in s (default {DEFAULT_TIMEOUT_S:g}); a timed-out request "
+           "counts as failed and enters the TTFT/E2E percentiles at its wait")  # fmt: skip
+    a("--traces-dir", type=Path, help="folder of the shipped traces (default: the packaged ones)")
     a("--out", required=True, type=Path, help="report folder")
     a("--no-plots", action="store_true", help="skip PNG plots")
 
@@ -140,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
         return load_workload(
             args.workload, seed=args.seed, num_requests=args.num_requests,
             duration_s=args.duration, rate=args.rate, burstiness=args.burstiness,
+            traces_dir=args.traces_dir,
         )  # fmt: skip
 
     arrival: ArrivalMode = (

@@ -10,7 +10,11 @@
 * goodput: requests per second meeting *every* given SLO (a request with a single
   output token counts TPOT as 0, as vLLM does).
 
-Only successful requests enter latency statistics. Each latency is reported in ms as
+Successful requests enter every latency statistic; a request that hit the client's
+per-request timeout also enters TTFT and E2E, at the time it waited (its first token's
+time if that came, else the time until the timeout: a lower bound), so timeouts raise
+the percentiles instead of vanishing from them. TPOT and ITL stay over successful
+requests (a cut-off stream has no last token). Each latency is reported in ms as
 mean / std / p50 / p90 / p95 / p99 (``numpy.percentile``, linear interpolation, as
 vLLM). ``per_backend`` groups by the ``x-kiloserve-backend`` header (S5.3), and the
 std-dev (population) of per-backend P95 measures routing imbalance (S1.2).
@@ -108,18 +112,28 @@ def is_good(record: RequestRecord, slo: Slo) -> bool:
 
 
 def latencies(records: Iterable[RequestRecord]) -> dict[str, LatencyStats]:
-    """The four latency blocks over the successful ``records``."""
+    """The four latency blocks: successful ``records``, timed-out ones in TTFT and E2E."""
+    records = list(records)
     ok = [r for r in records if r.is_ok]
+    timed_out = [r for r in records if r.is_timeout and r.e2e_s is not None]
     ttft = [r.ttft_s * 1000.0 for r in ok if r.ttft_s is not None]
+    ttft += [_waited_for_first_token_s(r) * 1000.0 for r in timed_out]
     tpot = [t * 1000.0 for t in (r.tpot_s for r in ok) if t is not None]
     itl = [g * 1000.0 for r in ok for g in r.itl_s]
-    e2e = [r.e2e_s * 1000.0 for r in ok if r.e2e_s is not None]
+    e2e = [r.e2e_s * 1000.0 for r in ok + timed_out if r.e2e_s is not None]
     return {
         "ttft_ms": latency_stats(ttft),
         "tpot_ms": latency_stats(tpot),
         "itl_ms": latency_stats(itl),
         "e2e_ms": latency_stats(e2e),
     }
+
+
+def _waited_for_first_token_s(record: RequestRecord) -> float:
+    """A timed-out request's TTFT: its first token's, else the wait until the timeout."""
+    if record.ttft_s is not None:
+        return record.ttft_s
+    return record.e2e_s if record.e2e_s is not None else 0.0
 
 
 def summarize(

@@ -26,6 +26,8 @@ _COMPARE_ROWS: tuple[tuple[str, tuple[str, ...], bool], ...] = (
     ("goodput (req/s)", ("goodput",), False),
     ("error rate", ("error_rate",), True),
     ("requests ok", ("requests_ok",), False),
+    ("requests failed", ("requests_failed",), True),
+    ("timeouts (in failed)", ("timeouts",), True),
 )
 
 
@@ -154,7 +156,9 @@ def _get(summary: Mapping[str, Any], path: tuple[str, ...]) -> float | None:
         if not isinstance(value, Mapping):
             return None
         value = value.get(key)
-    return float(value) if isinstance(value, int | float) else None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return value  # counts stay ints ("6", not "6.0")
 
 
 def _with_ratio(value: float | None, base: float | None) -> str:

@@ -13,13 +13,18 @@ seam), names its requests ``NAME-rK-INDEX`` and gives them their own text (uniqu
 and Mooncake blocks are new per pass: a pass is more traffic of the same shape, not a
 cache-warm rerun). Pass 0 is the plain replay, request for request.
 
-The trace folder is ``traces_dir`` if given, else ``$KILOSERVE_TRACES``, else
-``../shared/data/traces`` next to the repository root.
+The trace folder is ``traces_dir`` if given, else ``$KILOSERVE_TRACES``, else the
+copies shipped with the package (``kiloserve/workload/data``, xz-compressed, licences
+and attribution in its ``README.md``). In any folder a file may be plain or compressed
+(``NAME``, ``NAME.xz`` or ``NAME.gz``; the first found is read).
 """
 
 from __future__ import annotations
 
 import csv
+import gzip
+import io
+import lzma
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -39,6 +44,7 @@ from kiloserve.workload.prompts import (
 from kiloserve.workload.request import RequestSpec
 
 __all__ = [
+    "PACKAGED_TRACES_DIR",
     "TRACE_FILES",
     "TraceRow",
     "find_traces_dir",
@@ -55,6 +61,8 @@ TRACE_FILES = {
     "mooncake": "mooncake_conversation.jsonl",
 }
 ENV_VAR = "KILOSERVE_TRACES"
+PACKAGED_TRACES_DIR = Path(__file__).resolve().parent / "data"
+_SUFFIXES = ("", ".xz", ".gz")
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,8 +82,7 @@ def find_traces_dir(traces_dir: str | Path | None = None) -> Path:
     elif os.environ.get(ENV_VAR):
         candidates = [Path(os.environ[ENV_VAR])]
     else:
-        repo_root = Path(__file__).resolve().parents[3]
-        candidates = [repo_root.parent / "shared" / "data" / "traces"]
+        candidates = [PACKAGED_TRACES_DIR]
     for path in candidates:
         if path.is_dir():
             return path
@@ -89,16 +96,36 @@ def read_trace(name: str, traces_dir: str | Path | None = None) -> list[TraceRow
     """Rows of a shipped trace by name (``azure-conv``, ``azure-code``, ``mooncake``)."""
     if name not in TRACE_FILES:
         raise ConfigError(f"unknown trace {name!r}; valid: {', '.join(TRACE_FILES)}")
-    path = find_traces_dir(traces_dir) / TRACE_FILES[name]
-    if not path.is_file():
-        raise ConfigError(f"trace file {path} is missing")
-    return read_mooncake_jsonl(path) if path.suffix == ".jsonl" else read_azure_csv(path)
+    folder = find_traces_dir(traces_dir)
+    file_name = TRACE_FILES[name]
+    for suffix in _SUFFIXES:
+        path = folder / (file_name + suffix)
+        if path.is_file():
+            break
+    else:
+        tried = ", ".join(file_name + s for s in _SUFFIXES)
+        raise ConfigError(f"trace file missing in {folder} (tried {tried})")
+    is_jsonl = file_name.endswith(".jsonl")
+    return read_mooncake_jsonl(path) if is_jsonl else read_azure_csv(path)
+
+
+def _read_bytes(path: Path) -> bytes:
+    """The bytes of ``path``, decompressed when it ends in .xz or .gz (a few MB at most)."""
+    data = path.read_bytes()
+    try:
+        if path.suffix == ".xz":
+            return lzma.decompress(data)
+        if path.suffix == ".gz":
+            return gzip.decompress(data)
+    except (lzma.LZMAError, gzip.BadGzipFile, EOFError) as exc:
+        raise ConfigError(f"{path}: cannot decompress: {exc}") from exc
+    return data
 
 
 def read_azure_csv(path: Path) -> list[TraceRow]:
-    """Parse an Azure 2023 trace CSV (splitwise/vidur processed columns)."""
+    """Parse an Azure 2023 trace CSV (splitwise/vidur processed columns; .xz/.gz too)."""
     need = ("arrived_at", "num_prefill_tokens", "num_decode_tokens")
-    with path.open(newline="") as f:
+    with io.StringIO(_read_bytes(path).decode(), newline="") as f:
         reader = csv.DictReader(f)
         missing = [c for c in need if c not in (reader.fieldnames or [])]
         if missing:
@@ -110,24 +137,23 @@ def read_azure_csv(path: Path) -> list[TraceRow]:
 
 
 def read_mooncake_jsonl(path: Path) -> list[TraceRow]:
-    """Parse a Mooncake trace (``timestamp`` in ms)."""
+    """Parse a Mooncake trace (``timestamp`` in ms; .xz/.gz too)."""
     rows: list[TraceRow] = []
-    with path.open("rb") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                d = orjson.loads(line)
-                rows.append(
-                    TraceRow(
-                        float(d["timestamp"]) / 1000.0,
-                        int(d["input_length"]),
-                        int(d["output_length"]),
-                        tuple(int(h) for h in d.get("hash_ids", ())),
-                    )
+    for line_no, line in enumerate(_read_bytes(path).splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            d = orjson.loads(line)
+            rows.append(
+                TraceRow(
+                    float(d["timestamp"]) / 1000.0,
+                    int(d["input_length"]),
+                    int(d["output_length"]),
+                    tuple(int(h) for h in d.get("hash_ids", ())),
                 )
-            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-                raise ConfigError(f"{path}:{line_no}: bad record: {exc}") from exc
+            )
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"{path}:{line_no}: bad record: {exc}") from exc
     return rows
 
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from kiloserve.sim.prompts import IdPool, PromptIds
 from kiloserve.workload import load_workload
+from kiloserve.workload.traces import PACKAGED_TRACES_DIR
 
-TRACES = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "traces"
+TRACES = PACKAGED_TRACES_DIR  # shipped with the package
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import fnmatch
+import gzip
+import lzma
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -10,18 +14,63 @@ import pytest
 from kiloserve.errors import ConfigError
 from kiloserve.tokens import block_hashes, count_tokens, tokenize
 from kiloserve.workload import find_traces_dir, load_workload, read_trace
+from kiloserve.workload.traces import PACKAGED_TRACES_DIR, TRACE_FILES
 
-# Same rule as the code: ../shared/data/traces next to the repository root.
-TRACES = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "traces"
-pytestmark = pytest.mark.skipif(not TRACES.is_dir(), reason=f"no shipped traces at {TRACES}")
+ROOT = Path(__file__).resolve().parents[3]
+TRACES = PACKAGED_TRACES_DIR  # the copies shipped with the package (xz)
+# The uncompressed originals, where this checkout sits next to ../shared (not in a clone).
+SHARED_TRACES = ROOT.parent / "shared" / "data" / "traces"
 
 
-def test_default_trace_dir_is_next_to_repo(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_default_trace_dir_is_the_packaged_one(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KILOSERVE_TRACES", raising=False)
-    assert find_traces_dir().resolve() == TRACES.resolve()
+    assert find_traces_dir() == TRACES
+    assert TRACES.parts[-3:] == ("kiloserve", "workload", "data")
+    assert sorted(p.name for p in TRACES.glob("*.xz")) == sorted(
+        f + ".xz" for f in TRACE_FILES.values()
+    )
     monkeypatch.setenv("KILOSERVE_TRACES", "/nonexistent/traces")
     with pytest.raises(ConfigError, match="--traces-dir"):
         find_traces_dir()
+
+
+def test_packaged_traces_are_package_data_of_reasonable_size() -> None:
+    """pyproject's package-data globs take every packaged trace and its licence file."""
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"
+    ]["kiloserve"]
+    package = ROOT / "src" / "kiloserve"
+    for path in (package / "workload" / "data").iterdir():
+        rel = path.relative_to(package).as_posix()
+        assert any(fnmatch.fnmatch(rel, pat) for pat in patterns), rel
+    assert (TRACES / "README.md").read_text().count("Apache-2.0") >= 1
+    assert sum(p.stat().st_size for p in TRACES.glob("*.xz")) < 600_000
+
+
+@pytest.mark.skipif(not SHARED_TRACES.is_dir(), reason=f"no originals at {SHARED_TRACES}")
+@pytest.mark.parametrize("name", sorted(TRACE_FILES))
+def test_packaged_traces_load_identically_to_the_originals(name: str) -> None:
+    assert read_trace(name, TRACES) == read_trace(name, SHARED_TRACES)
+    packaged = load_workload(name, seed=0, num_requests=50, traces_dir=TRACES).take(50)
+    shared = load_workload(name, seed=0, num_requests=50, traces_dir=SHARED_TRACES).take(50)
+    assert packaged == shared
+
+
+def test_trace_files_may_be_plain_xz_or_gz(tmp_path: Path) -> None:
+    text = "arrived_at,num_prefill_tokens,num_decode_tokens\n0.5,10,3\n1.5,20,4\n"
+    plain, xz, gz = (tmp_path / d for d in ("plain", "xz", "gz"))
+    for folder in (plain, xz, gz):
+        folder.mkdir()
+    (plain / "azure_code_2023.csv").write_text(text)
+    (xz / "azure_code_2023.csv.xz").write_bytes(lzma.compress(text.encode()))
+    (gz / "azure_code_2023.csv.gz").write_bytes(gzip.compress(text.encode()))
+    rows = [read_trace("azure-code", folder) for folder in (plain, xz, gz)]
+    assert rows[0] == rows[1] == rows[2] and [r.input_tokens for r in rows[0]] == [10, 20]
+    (xz / "azure_code_2023.csv.xz").write_bytes(b"not xz")
+    with pytest.raises(ConfigError, match="cannot decompress"):
+        read_trace("azure-code", xz)
+    with pytest.raises(ConfigError, match=r"trace file missing .*mooncake_conversation\.jsonl\.xz"):
+        read_trace("mooncake", plain)
 
 
 @pytest.mark.parametrize(
