@@ -251,7 +251,7 @@ BAD_INPUTS: list[tuple[str, bytes, int, str | None]] = [
     ("/v1/completions", b'{"prompt": 12}', 400, "prompt"),
     ("/v1/completions", b'{"prompt": "x", "max_tokens": "3"}', 400, "max_tokens"),
     ("/v1/completions", b'{"prompt": "x", "max_tokens": 0}', 400, "max_tokens"),
-    ("/v1/completions", b'{"prompt": "x", "n": 2}', 400, "n"),
+    ("/v1/completions", b'{"prompt": "x", "n": 129}', 400, "n"),
     ("/v1/completions", b'{"prompt": ""}', 400, "prompt"),
     ("/v1/completions", b'{"prompt": [1, 4294967296]}', 400, "prompt"),
     ("/v1/completions", b'{"prompt": [[1], [2]]}', 400, "prompt"),
@@ -490,6 +490,7 @@ async def test_real_tokenizer_json(tmp_path: Path) -> None:
 ODD_VALUES: list[object] = [None, True, -1, 0, 1.5, "x", "", [], {}, [None], [{}], 2**70, [2**70]]
 FIELDS = ["prompt", "messages", "max_tokens", "max_completion_tokens", "stream"]
 FIELDS += ["stream_options", "n", "model", "ignore_eos", "temperature"]
+FIELDS += ["logprobs", "top_logprobs", "echo", "tools", "tool_choice", "response_format"]
 
 
 async def test_no_odd_field_value_causes_a_5xx() -> None:

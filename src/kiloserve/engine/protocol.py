@@ -24,11 +24,12 @@ import math
 import statistics
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import orjson
 
+from kiloserve.engine.sampling_fields import SamplingFields, fit_pieces, parse_sampling_fields
 from kiloserve.engine.sequence import output_word
 from kiloserve.errors import ConfigError, RequestError
 from kiloserve.tokens import FILLER_WORDS, tokenize
@@ -59,6 +60,7 @@ PROBE_HEADER = "x-kiloserve-probe"
 TokenizeFn = Callable[[str], list[int]]
 RequestKind = Literal["completion", "chat"]
 DONE_EVENT = b"data: [DONE]\n\n"
+MAX_N = 128  # the twin's cap on ``n`` (vLLM has none)
 MAX_TOKEN_ID = 2**32 - 1  # token ids are hashed as 4-byte words
 NATURAL_MEDIAN_TOKENS = 150
 NATURAL_SIGMA = 0.8
@@ -79,6 +81,8 @@ class GenerationRequest:
     is_stream: bool
     include_usage: bool
     ignore_eos: bool
+    fields: SamplingFields = field(default_factory=SamplingFields)  # logprobs, echo, JSON, tools
+    n: int = 1  # choices (engine/parallel_sampling.py when > 1)
 
 
 def load_tokenizer(path: str | None) -> TokenizeFn:
@@ -143,10 +147,11 @@ def _include_usage(body: dict[str, object]) -> bool:
     return value
 
 
-def _check_n(body: dict[str, object]) -> None:
+def _num_choices(body: dict[str, object]) -> int:
     n = _opt_int(body, "n", 1)
-    if n is not None and n != 1:
-        raise _field_error("n", "the engine twin supports only n=1")
+    if n is not None and n > MAX_N:
+        raise _field_error("n", f"the engine twin serves at most n={MAX_N}")
+    return n or 1
 
 
 def _as_object(body: object) -> dict[str, object]:
@@ -178,7 +183,6 @@ def _prompt_ids(prompt: object, tokenize: TokenizeFn) -> list[int]:
 def _common(body: dict[str, object], kind: RequestKind, ids: list[int]) -> GenerationRequest:
     if not ids:
         raise _field_error("prompt", "The prompt cannot be empty")
-    _check_n(body)
     max_tokens = _opt_int(body, "max_tokens", 1)
     if kind == "chat":
         max_completion = _opt_int(body, "max_completion_tokens", 1)
@@ -195,6 +199,8 @@ def _common(body: dict[str, object], kind: RequestKind, ids: list[int]) -> Gener
         is_stream=is_stream,
         include_usage=include_usage,
         ignore_eos=_opt_bool(body, "ignore_eos"),
+        fields=parse_sampling_fields(body, kind),
+        n=_num_choices(body),
     )
 
 
@@ -295,6 +301,8 @@ def plan_output(request: GenerationRequest, max_model_len: int) -> tuple[int, st
     num_prompt = len(request.prompt_token_ids)
     room = max_model_len - num_prompt
     wanted = request.max_tokens if request.max_tokens is not None else 1
+    if request.fields.pieces and room >= wanted:
+        return fit_pieces(request.fields, request.max_tokens, room)
     if room < wanted:
         raise RequestError(
             f"This model's maximum context length is {max_model_len} tokens. However, you "

@@ -6,7 +6,9 @@ tests run it in-process); ``run_twin(config)`` serves it until SIGINT / SIGTERM.
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (stream and not),
 ``GET /v1/models``, ``GET /health``, ``POST /tokenize``, ``GET /version``,
 ``GET /metrics``, ``GET /node/metrics`` (the node's dcgm-exporter stand-in,
-``engine/node_metrics.py``), ``GET|POST /admin/faults``. Every error is an OpenAI-style JSON body;
+``engine/node_metrics.py``), ``GET|POST /admin/faults``; the agent-era APIs
+(``/v1/responses``, ``/v1/messages``, ``/v1/embeddings``, ``/detokenize``) are in
+``engine/agent_server.py``. Every error is an OpenAI-style JSON body;
 bad input is a 4xx, and anything unexpected a 500 JSON (never a bare traceback).
 
 KV-cache events (``TwinConfig.kv_events_endpoint``): the app's start-up binds the
@@ -36,8 +38,10 @@ import orjson
 from aiohttp import web
 
 from kiloserve import __version__
+from kiloserve.engine.agent_server import add_agent_routes
 from kiloserve.engine.core import StepTimer
 from kiloserve.engine.faults import FaultSet
+from kiloserve.engine.parallel_sampling import generate_n
 from kiloserve.engine.protocol import (
     DONE_EVENT,
     PROBE_HEADER,
@@ -50,6 +54,7 @@ from kiloserve.engine.protocol import (
     plan_output,
     render_chat_body,
 )
+from kiloserve.engine.shaped_output import ShapedChunkEncoder
 from kiloserve.engine.twin import (
     DisconnectWatcher,
     RequestStream,
@@ -159,6 +164,8 @@ async def _generate(request: web.Request, parser: Parser) -> web.StreamResponse:
             return _error(status, "injected fault (kiloserve engine twin)", err_type)
         gen = parser(body, twin.tokenize)
         _check_model(twin, gen.model)
+        if gen.n > 1:  # one sequence per choice, as vLLM's parallel sampling
+            return await generate_n(request, twin, gen, entry, PROBE_HEADER in request.headers)
         stream = await _submit(twin, gen, entry, PROBE_HEADER in request.headers)
         if gen.is_stream:
             return await _send_stream(request, twin, gen, stream, entry)
@@ -171,7 +178,10 @@ async def _generate(request: web.Request, parser: Parser) -> web.StreamResponse:
 
 def _encoder(twin: Twin, gen: GenerationRequest) -> ChunkEncoder:
     prefix = "cmpl-" if gen.kind == "completion" else "chatcmpl-"
-    return ChunkEncoder(gen.kind, prefix + uuid.uuid4().hex, twin.model_name, int(time.time()))
+    args = (gen.kind, prefix + uuid.uuid4().hex, twin.model_name, int(time.time()))
+    if gen.fields.is_plain:
+        return ChunkEncoder(*args)
+    return ShapedChunkEncoder(*args, gen.fields)  # engine/sampling_fields.py
 
 
 async def _send_full(twin: Twin, gen: GenerationRequest, stream: RequestStream) -> web.Response:
@@ -205,9 +215,9 @@ async def _send_stream(
     await response.prepare(request)
     encoder = _encoder(twin, gen)
     num_sent = 0
+    # chat: the role chunk goes out with the first engine output, as vLLM's (not at once)
+    role = encoder.role_chunk() if gen.kind == "chat" else b""
     with contextlib.suppress(ConnectionError):
-        if gen.kind == "chat":
-            await response.write(encoder.role_chunk())
         while True:
             await stream.wait_beyond(num_sent)
             if stream.finish_reason == "abort":
@@ -219,6 +229,7 @@ async def _send_stream(
                 stream.finish_reason,
                 twin.faults.faults.stall_after_tokens,
             )
+            data, role = role + data, b""
             if is_stalled:
                 await response.write(data)
                 await entry.gone.wait()  # keep the connection open, send nothing more
@@ -388,6 +399,7 @@ def create_app(
     app.router.add_get("/health", health)
     app.router.add_get("/version", version)
     app.router.add_post("/tokenize", tokenize)
+    add_agent_routes(app, twin, app[WATCHER_KEY])  # /v1/responses, /v1/messages, ...
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/node/metrics", node_metrics)
     app.router.add_get("/admin/faults", _admin_guard(admin_token, policy, get_faults))

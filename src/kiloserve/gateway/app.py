@@ -51,16 +51,19 @@ from kiloserve.errors import (
 )
 from kiloserve.gateway.admin import LIVE_CONFIG_KEY, add_admin_routes, config_hash
 from kiloserve.gateway.admission.gate import FLOW_KEY, install_flow_control
+from kiloserve.gateway.body_checks import check_stream_fields
 from kiloserve.gateway.config import GatewayConfig
 from kiloserve.gateway.dashboard import add_dashboard_routes
 from kiloserve.gateway.dashboard_state import DashboardRecorder
 from kiloserve.gateway.errors import ProtocolErrorLog, error_middleware
+from kiloserve.gateway.extra_apis import api_view, install_extra_apis
 from kiloserve.gateway.headers import REQUEST_ID_HEADER
 from kiloserve.gateway.heap import load_malloc_trim, trim_loop
 from kiloserve.gateway.inventory import install_inventory
 from kiloserve.gateway.kvevents import KvEventSubscriber
 from kiloserve.gateway.limits import BodyBudget, accept_error_filter, make_runner
 from kiloserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from kiloserve.gateway.model_cards import model_cards
 from kiloserve.gateway.output_history import install_output_history
 from kiloserve.gateway.peers import install_peers
 from kiloserve.gateway.profile import Profiler
@@ -239,47 +242,6 @@ async def _read_body(request: web.Request, cfg: GatewayConfig, budget: BodyBudge
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def _type_name(value: Any) -> str:
-    """A JSON type name for an error message."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    return "an object"
-
-
-def _check_stream_fields(body: dict[str, Any]) -> None:
-    """``stream`` a boolean and ``stream_options`` an object (or null): the proxy reads
-    both to ask the backend for usage, and would otherwise rewrite or misread them."""
-    stream = body.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise RequestError(
-            f"Invalid type for 'stream': expected a boolean, but got {_type_name(stream)}",
-            param="stream",
-        )
-    opts = body.get("stream_options")
-    if opts is None:
-        return
-    if not isinstance(opts, dict):
-        raise RequestError(
-            f"Invalid type for 'stream_options': expected an object, but got {_type_name(opts)}",
-            param="stream_options",
-        )
-    usage = opts.get("include_usage")
-    if usage is not None and not isinstance(usage, bool):
-        raise RequestError(
-            "Invalid type for 'stream_options.include_usage': expected a boolean, but got "
-            f"{_type_name(usage)}",
-            param="stream_options.include_usage",
-        )
-
-
 def _parse_body(
     raw: bytes, pick: Callable[[dict[str, Any], Any], bool], headers: Any
 ) -> tuple[dict[str, Any], bytes]:
@@ -296,7 +258,7 @@ def _parse_body(
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise RequestError("you must provide a 'model' parameter", param="model")
-    _check_stream_fields(body)
+    check_stream_fields(body)
     return body, raw
 
 
@@ -333,13 +295,14 @@ async def _proxy(request: web.Request, path: str) -> web.StreamResponse:
             ):
                 body, sent = _parse_body(raw, ctx.profiler.pick_model, request.headers)
                 _check_model(body["model"], ctx.table)
-                info = ctx.profiler.profile(rid, body, request.headers)
+                info = ctx.profiler.profile(rid, api_view(request, body, rid), request.headers)
             else:  # a large prompt: let other requests run between the long steps
                 await asyncio.sleep(0)
                 body, sent = _parse_body(raw, ctx.profiler.pick_model, request.headers)
                 _check_model(body["model"], ctx.table)
                 await asyncio.sleep(0)
-                info = await ctx.profiler.profile_async(rid, body, request.headers)
+                view = api_view(request, body, rid)  # agent-era APIs: a chat-shaped view
+                info = await ctx.profiler.profile_async(rid, view, request.headers)
             if flow is not None:
                 info = flow.classify(key, info, request.headers)
         except RequestError as exc:
@@ -395,8 +358,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    models = request.app[TABLE_KEY].served_models()
-    data = [{"id": m, "object": "model", "created": 0, "owned_by": "kiloserve"} for m in models]
+    app = request.app
+    timeout_s = app[CTX_KEY].cfg.connect_timeout_s
+    data = await model_cards(app[_SESSION_KEY], app[TABLE_KEY], timeout_s)
     return _json({"object": "list", "data": data})
 
 
@@ -590,6 +554,7 @@ def create_gateway_app(cfg: GatewayConfig, *, policy: Policy | None = None) -> w
         install_peers(app, cfg.peers, peers_url, table, gw_metrics.registry)
     install_output_history(app, cfg, profiler, gw_metrics.registry)  # shared through Redis
     install_inventory(app, table, cfg)  # engine and model versions (S5.5)
+    install_extra_apis(app, _proxy, router)  # /v1/responses, /v1/messages, ... (issue 18)
     app.on_startup.append(_on_startup)
     app.on_cleanup.append(_on_cleanup)
     return app

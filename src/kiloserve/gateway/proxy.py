@@ -40,6 +40,7 @@ import orjson
 from aiohttp import web
 
 from kiloserve.errors import BackendError, BadGatewayError, GatewayTimeoutError, NotFoundError
+from kiloserve.gateway.api_hooks import HOOKS_KEY, ApiHooks
 from kiloserve.gateway.config import GatewayConfig
 from kiloserve.gateway.dashboard_state import DashboardRecorder
 from kiloserve.gateway.headers import (
@@ -107,6 +108,7 @@ class _Call:
     body: dict[str, Any] | None = None  # the client's request, kept when it may migrate
     ranked: tuple[str, ...] = ()  # the decision's backends, for continuations
     cached_blocks: Mapping[str, int] | None = None  # the decision's prefix matches
+    hooks: ApiHooks | None = None  # an agent-era API's (gateway/api_hooks.py)
 
 
 @dataclass(slots=True)
@@ -253,7 +255,9 @@ def _usage_tokens(body: bytes) -> int:
         usage = orjson.loads(body).get("usage")
     except (orjson.JSONDecodeError, AttributeError):
         return 0
-    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    if not isinstance(usage, dict):
+        return 0
+    tokens = usage.get("completion_tokens", usage.get("output_tokens"))  # OpenAI / Responses
     return tokens if isinstance(tokens, int) else 0
 
 
@@ -262,6 +266,8 @@ def _whole_response(
 ) -> web.Response:
     if resp.status == 200:
         att.output_tokens = _usage_tokens(body)
+        if call.hooks is not None and call.hooks.on_data is not None:
+            call.hooks.on_data(att.backend_id, body)
         att.last_chunk_at = att.loop.time()  # the end: non-streamed TTFT is estimated from it
     headers = relayed_headers(call.info.request_id, att.backend_id, resp, "application/json")
     _add_cached_tokens(headers, att)
@@ -296,12 +302,17 @@ async def _pump(
 ) -> None:
     observe_itl = ctx.metrics.observe_itl
     loop_time = att.loop.time
+    hooks = att.call.hooks
+    marker = hooks.first_token_marker if hooks is not None else None
     while chunk:
         data = relay.feed(chunk)
         if data:
             now = loop_time()
+            if hooks is not None and hooks.on_data is not None:
+                hooks.on_data(att.backend_id, data)
             if att.first_token_at is None:
-                att.mark_first_token(now)
+                if marker is None or marker in data:  # the first content event
+                    att.mark_first_token(now)
             else:
                 observe_itl(att.backend_id, now - att.last_chunk_at)
             att.last_chunk_at = now
@@ -335,7 +346,8 @@ async def _stream(
     A client already gone when the response is prepared (``prepare`` raises
     ``ClientConnectionResetError``) or during a write ends it with 499; aiohttp then
     finds the response unwritable and drops the connection quietly."""
-    relay = SseRelay(strip_usage=call.strip_usage and splicer is None)
+    marker = call.hooks.first_token_marker if call.hooks is not None else None
+    relay = SseRelay(strip_usage=call.strip_usage and splicer is None, count=marker)
     dog = _watchdog(ctx, call, att, resp, relay)
     status, reason = 200, None
     try:
@@ -356,7 +368,8 @@ async def _stream(
             dog.cancel()
     if dog is not None and dog.stalled and status == 200:
         status, reason = 504, "stall"
-    att.output_tokens = relay.completion_tokens or max(0, relay.num_events - 1)
+    num_other = 0 if marker is not None else 1  # events counted that carry no token
+    att.output_tokens = relay.completion_tokens or max(0, relay.num_events - num_other)
     if status != 200:
         logger.warning(
             "request_id=%s backend=%s stream ended early (status %d)",
@@ -548,18 +561,22 @@ async def forward(
 ) -> web.StreamResponse:
     """Send the request to the decision's backends in rank order until one answers."""
     loop = asyncio.get_running_loop()
-    payload, is_stream, strip_usage = _payload(body, raw)
+    hooks: ApiHooks | None = request.get(HOOKS_KEY)  # an agent-era API's: sent as it came
+    payload, is_stream, strip_usage = (
+        _payload(body, raw) if hooks is None else (raw, body.get("stream") is True, False)
+    )
     user = body.get("user")
     call = _Call(
         request, path, payload, info, user if isinstance(user, str) else None,
         is_stream, strip_usage, loop.time() + ctx.cfg.request_timeout_s, loop,
     )  # fmt: skip
-    call.cached_blocks = decision.cached_blocks
+    call.cached_blocks, call.hooks = decision.cached_blocks, hooks
     mig = ctx.cfg.migration
     if (
         is_stream
         and mig.enabled
         and mig.max_attempts > 0
+        and hooks is None
         and migratable(path, body)
         and migration_requested(request.headers.get(MIGRATE_HEADER))
     ):

@@ -32,10 +32,15 @@ def _event_end(buf: bytes) -> int:
 class SseRelay:
     """Feed upstream chunks, get the bytes to forward; usage counts are collected."""
 
-    __slots__ = ("_buf", "completion_tokens", "num_events", "prompt_tokens", "strip_usage")
+    __slots__ = (
+        "_buf", "_count", "completion_tokens", "num_events", "prompt_tokens", "strip_usage",
+    )  # fmt: skip
 
-    def __init__(self, *, strip_usage: bool) -> None:
+    def __init__(self, *, strip_usage: bool, count: bytes | None = None) -> None:
+        """``count``: what ``num_events`` counts (default: ``data:`` lines, one per event;
+        the agent-era APIs count their content events, gateway/api_hooks.py)."""
         self.strip_usage = strip_usage
+        self._count = count if count is not None else b"data:"
         self.completion_tokens: int | None = None
         self.prompt_tokens: int | None = None
         self.num_events = 0
@@ -56,7 +61,7 @@ class SseRelay:
             done, self._buf = buf[:cut], buf[cut:]
         if _USAGE in done:
             done = self._filter_usage(done)
-        self.num_events += done.count(b"data:")
+        self.num_events += done.count(self._count)
         return done
 
     def flush(self) -> bytes:

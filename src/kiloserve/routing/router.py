@@ -84,6 +84,9 @@ class Router:
         self.decision_listeners: list[DecisionListener] = []
         self.first_token_listeners: list[FirstTokenListener] = []
         self.completion_listeners: list[CompletionListener] = []
+        # request id -> the backend that must rank first when routable and in the pool (a
+        # Responses API follow-up goes where its previous response is; gateway/extra_apis.py)
+        self.pins: dict[str, str] = {}
 
     @property
     def policy_name(self) -> str:
@@ -109,11 +112,14 @@ class Router:
         decision = self.policy.choose(info, snapshot, self.rng)
         pool = table.pool_ids(info.model)
         ranked: list[str] = []
+        pin = self.pins.get(info.request_id) if self.pins else None
+        if pin is not None and pin in pool and table.is_routable(pin):
+            ranked.append(pin)
         for backend_id in decision.ranked:
-            if backend_id in pool and table.is_routable(backend_id):
+            if len(ranked) == limit:
+                break
+            if backend_id != pin and backend_id in pool and table.is_routable(backend_id):
                 ranked.append(backend_id)
-                if len(ranked) == limit:
-                    break
         kept = tuple(ranked)
         if self.admit is not None:
             kept = self.admit(kept, pool)

@@ -78,7 +78,7 @@ def test_parse_completion_prompt_forms() -> None:
         ({"prompt": [1, -2]}, "prompt"),
         ({"prompt": "x", "max_tokens": True}, "max_tokens"),
         ({"prompt": "x", "max_tokens": 2.5}, "max_tokens"),
-        ({"prompt": "x", "n": 3}, "n"),
+        ({"prompt": "x", "n": 129}, "n"),
         ({"prompt": "x", "model": 1}, "model"),
         (
             {"prompt": "x", "stream": True, "stream_options": {"include_usage": "y"}},
