@@ -13,6 +13,7 @@ $(BIN)/python:
 
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python scripts/build_compiled.py --install
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -39,8 +40,8 @@ real-engines:
 
 test: lint typecheck real-engines unit
 
-# Opt-in: the simulator's hot modules compiled with mypyc into build-compiled/ (a no-op
-# when up to date); use with PYTHONPATH=build-compiled. See docs/simulator.md.
+# The simulator's hot modules compiled with mypyc (also built at install; a no-op when
+# up to date), into ~/.cache/kiloserve/compiled/<source hash>. See docs/simulator.md.
 compiled: $(STAMP)
 	$(BIN)/python scripts/build_compiled.py
 

@@ -18,6 +18,7 @@ Figures (all measured in this run):
 Targets (issue 3): <= 150 us CPU per request, <= 10 us per chunk, added p50 <= 1 ms;
 issue 16: <= 100 us per request with the default policy, and with ``--workers 2``
 >= 1.3x one worker's max requests/s at CPU per request within 10% of one worker's.
+``--tracing`` adds a gateway with OpenTelemetry tracing on (``gw-tracing``; issue 18).
 
 Every run also measures the gateway on asyncio's own event loop (``--loop asyncio``)
 beside the default (uvloop where installed), unless ``--no-loop-baseline``; the CPU of
@@ -465,9 +466,15 @@ def start_all(
         variants.append(("gw-asyncio", ["--loop", "asyncio"]))
     if args.workers > 1:
         variants.append((f"gw-{args.workers}w", ["--workers", str(args.workers)]))
+    if args.tracing:
+        variants.append(("gw-tracing", []))
     for name, extra in variants:
         port = free_ports(1)[0]
         gateway_yaml(tmp / f"{name}.yaml", port, backend_ports, args.policy)
+        if name == "gw-tracing":  # spans exported to a backend, which answers 200 to any POST
+            with (tmp / f"{name}.yaml").open("a") as f:
+                sink = f"http://127.0.0.1:{backend_ports[0]}/v1/traces"
+                f.write(f"tracing: {{enabled: true, otlp_endpoint: '{sink}'}}\n")
         profile = ["-m", "cProfile", "-o", str(args.profile)] if args.profile else []
         gw_cmd = [
             sys.executable,
@@ -528,6 +535,12 @@ def main() -> int:
         action="store_true",
         help="skip the gateway on the standard asyncio loop (measured by default beside "
         "the default loop, uvloop when installed)",
+    )
+    ap.add_argument(
+        "--tracing",
+        action="store_true",
+        help="also measure the gateway with OpenTelemetry tracing on (needs kiloserve[tracing];"
+        " spans exported over OTLP/HTTP to a backend)",
     )
     ap.add_argument("--serve-backend", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()

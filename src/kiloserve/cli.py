@@ -17,6 +17,8 @@ from kiloserve.errors import KiloserveError
 
 __all__ = ["COMMANDS", "main", "main_entry"]
 
+# Commands that run the simulator: they use its compiled build when one matches.
+SIM_COMMANDS = ("sim", "plan")
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "engine": (
@@ -48,8 +50,10 @@ def _top_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the process exit code."""
+def main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> int:
+    """Run the CLI; returns the process exit code. ``own_process``: this call owns the
+    interpreter (the console script), so the simulator commands may load the compiled
+    simulator; an in-process call runs the modules already importable."""
     args_in = list(sys.argv[1:] if argv is None else argv)
     if not args_in or args_in[0] not in COMMANDS:
         top = _top_parser()
@@ -58,6 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     name, rest = args_in[0], args_in[1:]
     module_name, text = COMMANDS[name]
+    if name in SIM_COMMANDS and (code := _select_sim_build(name, own_process)):
+        return code
     module = importlib.import_module(module_name)
     parser = argparse.ArgumentParser(prog=f"kiloserve {name}", description=text)
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
@@ -76,6 +82,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def _select_sim_build(name: str, own_process: bool) -> int:
+    """Load the compiled simulator when it matches the sources (before the command
+    imports it) and say which build runs; 2 on a bad ``KILOSERVE_SIM_BUILD``."""
+    from kiloserve.sim.build import describe_loaded, select_build
+
+    try:
+        print(select_build() if own_process else describe_loaded(), file=sys.stderr)
+    except KiloserveError as exc:
+        print(f"kiloserve {name}: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main_entry() -> None:
     """Console-script entry point."""
-    sys.exit(main())
+    sys.exit(main(own_process=True))

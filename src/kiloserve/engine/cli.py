@@ -8,14 +8,16 @@ import logging
 import os
 
 from kiloserve.engine.faults import FaultSet, ThermalFault
+from kiloserve.engine.lora import LoraModule, parse_lora_module
 from kiloserve.engine.twin import TwinConfig
-from kiloserve.errors import RequestError
+from kiloserve.errors import ConfigError, RequestError
 
 __all__ = ["ADMIN_TOKEN_ENV", "add_arguments", "admin_token_from_args", "config_from_args", "run"]
 
 logger = logging.getLogger(__name__)
 
 ADMIN_TOKEN_ENV = "KILOSERVE_ADMIN_TOKEN"  # the gateway's admin token variable, too
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # as vLLM: the load/unload routes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,6 +57,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="a Host name /admin/faults answers besides IPs, localhost and --host (repeatable)",
     )
+    lora = parser.add_argument_group("LoRA adapters (as vLLM's; docs/engine-twin.md)")
+    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
+    lora.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        type=_lora_module_arg,
+        metavar="SPEC",
+        help='adapters: name=path or \'{"name": ..., "path": ..., "base_model_name": ...}\'',
+    )
+    lora.add_argument("--max-loras", type=int, default=1, help="adapters in one batch")
+    lora.add_argument("--max-cpu-loras", type=int, help="adapters in the CPU cache")
     kv = parser.add_argument_group("KV-cache events (vLLM's ZMQ format; docs/engine-twin.md)")
     kv.add_argument(
         "--kv-events-endpoint",
@@ -65,6 +79,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-events-replay-endpoint",
         metavar="ADDR",
         help="serve replays of missed batches on a ZMQ ROUTER socket bound here",
+    )
+    parser.add_argument(
+        "--otlp-traces-endpoint",
+        metavar="URL",
+        help="export a span per request (OTLP/HTTP), as vLLM; needs kiloserve[tracing]",
     )
     faults = parser.add_argument_group("faults (also settable at run time: POST /admin/faults)")
     faults.add_argument("--slowdown", type=float, default=1.0, help="step-time multiplier")
@@ -93,6 +112,13 @@ def _thermal_arg(text: str) -> ThermalFault:
         return ThermalFault.from_json(json.loads(text))
     except (ValueError, RequestError) as exc:
         raise argparse.ArgumentTypeError(f"--thermal: {exc}") from exc
+
+
+def _lora_module_arg(text: str) -> LoraModule:
+    try:
+        return parse_lora_module(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def config_from_args(args: argparse.Namespace) -> TwinConfig:
@@ -128,7 +154,17 @@ def config_from_args(args: argparse.Namespace) -> TwinConfig:
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        enable_lora=args.enable_lora,
+        lora_modules=tuple(args.lora_modules),
+        max_loras=args.max_loras,
+        max_cpu_loras=args.max_cpu_loras,
+        allow_runtime_lora_updating=_env_true(RUNTIME_LORA_ENV),
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true")
 
 
 def admin_token_from_args(args: argparse.Namespace) -> str | None:

@@ -41,6 +41,12 @@ from kiloserve import __version__
 from kiloserve.engine.agent_server import add_agent_routes
 from kiloserve.engine.core import StepTimer
 from kiloserve.engine.faults import FaultSet
+from kiloserve.engine.lora_routes import (
+    adapter_of,
+    add_lora_routes,
+    end_lora_request,
+    start_lora_request,
+)
 from kiloserve.engine.parallel_sampling import generate_n
 from kiloserve.engine.protocol import (
     DONE_EVENT,
@@ -55,6 +61,7 @@ from kiloserve.engine.protocol import (
     render_chat_body,
 )
 from kiloserve.engine.shaped_output import ShapedChunkEncoder
+from kiloserve.engine.tracing import TRACE_STREAM_KEY, install_twin_tracing
 from kiloserve.engine.twin import (
     DisconnectWatcher,
     RequestStream,
@@ -131,7 +138,7 @@ async def _read_json(request: web.Request) -> object:
 
 
 def _check_model(twin: Twin, model: str | None) -> None:
-    if model is not None and model != twin.model_name:
+    if model is not None and model != twin.model_name and adapter_of(twin, model) is None:
         raise NotFoundError(f"The model `{model}` does not exist.", param="model")
 
 
@@ -164,16 +171,20 @@ async def _generate(request: web.Request, parser: Parser) -> web.StreamResponse:
             return _error(status, "injected fault (kiloserve engine twin)", err_type)
         gen = parser(body, twin.tokenize)
         _check_model(twin, gen.model)
+        track_lora = start_lora_request(twin, gen.model)  # engine/lora_routes.py
         if gen.n > 1:  # one sequence per choice, as vLLM's parallel sampling
             return await generate_n(request, twin, gen, entry, PROBE_HEADER in request.headers)
         stream = await _submit(twin, gen, entry, PROBE_HEADER in request.headers)
+        track_lora(stream)
         if gen.is_stream:
             return await _send_stream(request, twin, gen, stream, entry)
         return await _send_full(twin, gen, stream)
     finally:
         watcher.unwatch(request)
         if entry.stream is not None:
+            request[TRACE_STREAM_KEY] = entry.stream  # the span's token counts (tracing.py)
             twin.loop.abort(entry.stream)
+            end_lora_request(twin, entry.stream)
 
 
 def _encoder(twin: Twin, gen: GenerationRequest) -> ChunkEncoder:
@@ -265,7 +276,8 @@ async def models(request: web.Request) -> web.Response:
         "parent": None,
         "max_model_len": twin.max_model_len,
     }
-    return _json({"object": "list", "data": [card]})
+    loras = twin.lora.model_cards(twin.created_s) if twin.lora is not None else []
+    return _json({"object": "list", "data": [card, *loras]})
 
 
 async def health(request: web.Request) -> web.Response:
@@ -301,7 +313,10 @@ async def tokenize(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = request.app[TWIN_KEY].metrics.render()
+    twin = request.app[TWIN_KEY]
+    body = twin.metrics.render()
+    if twin.lora is not None:
+        body += twin.lora.render_metric().encode()
     return web.Response(
         body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
     )
@@ -393,6 +408,8 @@ def create_app(
     app[WATCHER_KEY] = DisconnectWatcher(twin.loop)
     app[CRASH_KEY] = on_crash
     app.cleanup_ctx.append(_lifecycle)
+    if config.otlp_traces_endpoint:  # a span per request (engine/tracing.py)
+        install_twin_tracing(app, config.otlp_traces_endpoint, twin.model_name)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
@@ -400,6 +417,7 @@ def create_app(
     app.router.add_get("/version", version)
     app.router.add_post("/tokenize", tokenize)
     add_agent_routes(app, twin, app[WATCHER_KEY])  # /v1/responses, /v1/messages, ...
+    add_lora_routes(app, twin)  # /v1/load_lora_adapter, /v1/unload_lora_adapter
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/node/metrics", node_metrics)
     app.router.add_get("/admin/faults", _admin_guard(admin_token, policy, get_faults))

@@ -37,10 +37,11 @@ from typing import TYPE_CHECKING, Protocol
 from kiloserve.catalog import get_gpu, get_model
 from kiloserve.engine.core import EngineCore, StepTimer
 from kiloserve.engine.faults import FaultInjector, FaultSet
+from kiloserve.engine.lora import LoraModule, LoraRegistry
 from kiloserve.engine.metrics import EngineStats, LagTracker, TwinMetrics, read_engine_stats
 from kiloserve.engine.node_metrics import NodeModel
 from kiloserve.engine.protocol import TokenizeFn, load_tokenizer
-from kiloserve.engine.sequence import Sequence
+from kiloserve.engine.sequence import Sequence, SequenceStatus
 from kiloserve.engine.setup import engine_config_for
 from kiloserve.errors import ConfigError
 
@@ -105,6 +106,11 @@ class RequestStream:
     @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def is_running(self) -> bool:
+        """Scheduled and not finished (vLLM's running queue)."""
+        return self._seq is not None and self._seq.status is SequenceStatus.RUNNING
 
     @property
     def num_cached_tokens(self) -> int:
@@ -227,6 +233,7 @@ class TwinLoop:
         self._num_requests = 0
         self._kv_events = kv_events  # the engine's event log and where its batches go
         self.failure: BaseException | None = None  # set if the loop died
+        self.pending_swap_s = 0.0  # LoRA loads (engine/lora.py) the next step pays for
 
     def start(self) -> None:
         if self._task is None:
@@ -327,7 +334,8 @@ class TwinLoop:
                 await self._wait_for_work(IDLE_POLL_S)  # nothing schedulable yet
                 continue
             self._note_started(result.started, start_s)
-            deadline_s = start_s + result.duration_s * self._faults.slowdown
+            swap_s, self.pending_swap_s = self.pending_swap_s, 0.0
+            deadline_s = start_s + (result.duration_s + swap_s) * self._faults.slowdown
             self._faults.on_step(start_s, deadline_s)  # the thermal model's busy time
             delay_s = deadline_s - self._clock()
             if delay_s > 0:
@@ -414,6 +422,12 @@ class TwinConfig:
     kv_events_endpoint: str | None = None  # ZMQ PUB address the twin binds (None: off)
     kv_events_replay_endpoint: str | None = None  # ZMQ ROUTER address for replays
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details, as vLLM
+    enable_lora: bool = False  # serve LoRA adapters (engine/lora.py)
+    lora_modules: tuple[LoraModule, ...] = ()  # adapters served from the start
+    max_loras: int = 1  # adapters resident in GPU slots (one batch), as vLLM
+    max_cpu_loras: int | None = None  # adapters in the CPU cache (None: max_loras)
+    allow_runtime_lora_updating: bool = False  # VLLM_ALLOW_RUNTIME_LORA_UPDATING
+    otlp_traces_endpoint: str | None = None  # OTLP/HTTP traces URL (None: off), as vLLM
 
 
 @dataclass(slots=True, eq=False)
@@ -430,6 +444,7 @@ class Twin:
     created_s: int
     node: NodeModel  # the node page (GET /node/metrics): a dcgm-exporter stand-in
     kv_publisher: KvEventPublisher | None = None  # started and closed by the server
+    lora: LoraRegistry | None = None  # with --enable-lora
 
 
 def build_twin(config: TwinConfig, timer: StepTimer | None = None) -> Twin:
@@ -482,8 +497,20 @@ def build_twin(config: TwinConfig, timer: StepTimer | None = None) -> Twin:
     node = NodeModel(gpu, config.tp, ledger.kv_bytes_per_token_per_gpu, stats_fn, faults)
     return Twin(
         config, name, ledger.max_model_len, tokenizer, loop, metrics, faults, created_s, node,
-        publisher,
+        publisher, _lora_for(config, name),
     )  # fmt: skip
+
+
+def _lora_for(config: TwinConfig, name: str) -> LoraRegistry | None:
+    if not config.enable_lora:
+        if config.lora_modules:
+            raise ConfigError("--lora-modules needs --enable-lora")
+        return None
+    cpu = config.max_cpu_loras if config.max_cpu_loras is not None else config.max_loras
+    registry = LoraRegistry(name, config.max_loras, cpu)
+    for module in config.lora_modules:
+        registry.adapters[module.name] = module
+    return registry
 
 
 def _kv_events_for(

@@ -62,6 +62,7 @@ from kiloserve.gateway.heap import load_malloc_trim, trim_loop
 from kiloserve.gateway.inventory import install_inventory
 from kiloserve.gateway.kvevents import KvEventSubscriber
 from kiloserve.gateway.limits import BodyBudget, accept_error_filter, make_runner
+from kiloserve.gateway.lora import LORA_KEY, install_lora
 from kiloserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from kiloserve.gateway.model_cards import model_cards
 from kiloserve.gateway.output_history import install_output_history
@@ -72,6 +73,7 @@ from kiloserve.gateway.registry.watch import start_registry
 from kiloserve.gateway.reload import RELOAD_KEY, Reloader
 from kiloserve.gateway.resilience.manager import Resilience
 from kiloserve.gateway.scrape import scrape_loop
+from kiloserve.gateway.tracing import TRACE_KEY, install_tracing
 from kiloserve.gateway.upstream import UpstreamPool
 from kiloserve.gateway.worker_metrics import WorkerMetrics
 from kiloserve.policies.base import Decision, Policy, RequestInfo
@@ -262,7 +264,10 @@ def _parse_body(
     return body, raw
 
 
-def _check_model(model: str, table: BackendTable) -> None:
+async def _check_model(app: web.Application, model: str, rid: str) -> None:
+    table = app[TABLE_KEY]
+    if LORA_KEY in app:  # a known LoRA adapter no backend holds is loaded first
+        await app[LORA_KEY].ensure(model, rid)
     if not table.serves(model):
         served = ", ".join(table.served_models()) or "(none yet)"
         raise NotFoundError(
@@ -294,12 +299,12 @@ async def _proxy(request: web.Request, path: str) -> web.StreamResponse:
                 size > EXACT_OFFLOAD_BYTES and ctx.profiler.has_tokenizers
             ):
                 body, sent = _parse_body(raw, ctx.profiler.pick_model, request.headers)
-                _check_model(body["model"], ctx.table)
+                await _check_model(request.app, body["model"], rid)
                 info = ctx.profiler.profile(rid, api_view(request, body, rid), request.headers)
             else:  # a large prompt: let other requests run between the long steps
                 await asyncio.sleep(0)
                 body, sent = _parse_body(raw, ctx.profiler.pick_model, request.headers)
-                _check_model(body["model"], ctx.table)
+                await _check_model(request.app, body["model"], rid)
                 await asyncio.sleep(0)
                 view = api_view(request, body, rid)  # agent-era APIs: a chat-shaped view
                 info = await ctx.profiler.profile_async(rid, view, request.headers)
@@ -311,6 +316,9 @@ async def _proxy(request: web.Request, path: str) -> web.StreamResponse:
 
         def dispatch(decision: Decision | None) -> Awaitable[web.StreamResponse]:
             return _dispatch(request, path, body, sent, info, decision)
+
+        if ctx.is_traced:  # OpenTelemetry spans (gateway/tracing.py)
+            request[TRACE_KEY].profiled(info, queued=flow is not None)
 
         if flow is not None:
             return await flow.guard(info, key, dispatch)
@@ -335,6 +343,8 @@ async def _dispatch(
         raise _overloaded("in-flight (max_in_flight)")
     if decision is None:
         decision = ctx.router.decide(info, time.monotonic())
+    if ctx.is_traced:
+        request[TRACE_KEY].decided(decision)
     if not decision.ranked:
         ctx.metrics.request_done(info.model, "", 503)
         raise UnavailableError(
@@ -554,7 +564,9 @@ def create_gateway_app(cfg: GatewayConfig, *, policy: Policy | None = None) -> w
         install_peers(app, cfg.peers, peers_url, table, gw_metrics.registry)
     install_output_history(app, cfg, profiler, gw_metrics.registry)  # shared through Redis
     install_inventory(app, table, cfg)  # engine and model versions (S5.5)
+    install_lora(app, cfg.lora, table, router, cfg.discovery_interval_s, cfg.connect_timeout_s)
     install_extra_apis(app, _proxy, router)  # /v1/responses, /v1/messages, ... (issue 18)
+    ctx.is_traced = install_tracing(app, cfg.tracing)  # OpenTelemetry spans (issue 18)
     app.on_startup.append(_on_startup)
     app.on_cleanup.append(_on_cleanup)
     return app

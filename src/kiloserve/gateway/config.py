@@ -25,6 +25,7 @@ from kiloserve.gateway.admission.auth import AuthConfig
 from kiloserve.gateway.admission.queue import AdmissionConfig
 from kiloserve.gateway.admission.ratelimit import RateLimitConfig
 from kiloserve.gateway.dashboard_state import DashboardConfig
+from kiloserve.gateway.lora_settings import LoraConfig
 from kiloserve.gateway.migrate import MigrationConfig
 from kiloserve.gateway.model_select import ModelFromConfig
 from kiloserve.gateway.output_history_settings import OutputHistoryConfig
@@ -33,6 +34,7 @@ from kiloserve.gateway.registry.settings import RegistryConfig
 from kiloserve.gateway.resilience.demotion import DemotionConfig
 from kiloserve.gateway.resilience.health import HealthConfig
 from kiloserve.gateway.resilience.outlier import OutlierConfig
+from kiloserve.gateway.tracing_settings import TracingConfig
 from kiloserve.httpguard import split_host
 from kiloserve.routing.config import BackendConfig
 from kiloserve.validation import model_at, unknown_keys_message
@@ -124,7 +126,9 @@ class GatewayConfig(_Strict):
     rate_limit: RateLimitConfig = Field(default_factory=RateLimitConfig)
     # gateways that share their in-flight view through Redis (gateway/peers.py)
     peers: PeerConfig = Field(default_factory=PeerConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)  # adapters (gateway/lora.py)
     dashboard: DashboardConfig = Field(default_factory=DashboardConfig)  # docs/dashboard.md
+    tracing: TracingConfig = Field(default_factory=TracingConfig)  # docs/observability.md
     # fault tolerance (docs/fault-tolerance.md)
     health: HealthConfig = Field(default_factory=HealthConfig)
     outlier: OutlierConfig = Field(default_factory=OutlierConfig)

@@ -64,8 +64,10 @@ from kiloserve.gateway.migrate import (
     stall_timeout_s,
 )
 from kiloserve.gateway.profile import Profiler
+from kiloserve.gateway.proxy_body import stream_payload, usage_tokens
 from kiloserve.gateway.sse import SseRelay
 from kiloserve.gateway.stall import StallWatchdog
+from kiloserve.gateway.tracing import TRACE_KEY, AttemptTrace, RequestTrace
 from kiloserve.gateway.upstream import UpstreamPool, UpstreamResponse
 from kiloserve.policies.base import Decision, RequestInfo
 from kiloserve.routing.router import Router
@@ -90,6 +92,7 @@ class ProxyContext:
     profiler: Profiler
     num_in_flight: int = 0
     dashboard: DashboardRecorder | None = None  # live dashboard ring buffers (dashboard.py)
+    is_traced: bool = False  # OpenTelemetry spans per request (gateway/tracing.py)
 
 
 @dataclass(slots=True)
@@ -109,6 +112,7 @@ class _Call:
     ranked: tuple[str, ...] = ()  # the decision's backends, for continuations
     cached_blocks: Mapping[str, int] | None = None  # the decision's prefix matches
     hooks: ApiHooks | None = None  # an agent-era API's (gateway/api_hooks.py)
+    trace: RequestTrace | None = None  # tracing on (gateway/tracing.py)
 
 
 @dataclass(slots=True)
@@ -168,7 +172,7 @@ class _Attempt:
 
     __slots__ = (
         "backend_id", "call", "ctx", "first_token_at", "info", "is_finished",
-        "last_chunk_at", "loop", "output_tokens", "started",
+        "last_chunk_at", "loop", "output_tokens", "span", "started",
     )  # fmt: skip
 
     def __init__(self, ctx: ProxyContext, call: _Call, backend_id: str) -> None:
@@ -183,6 +187,7 @@ class _Attempt:
         self.last_chunk_at = self.started
         self.output_tokens = 0
         self.is_finished = False
+        self.span: AttemptTrace | None = None  # tracing on: set by ``_try_backend``
 
     def dispatch(self) -> None:
         self.ctx.router.dispatch(self.backend_id, self.info)
@@ -192,6 +197,8 @@ class _Attempt:
         ttft_s = now - self.started
         self.ctx.router.first_token(self.backend_id, self.info, ttft_s * 1000.0)
         self.ctx.metrics.observe_ttft(self.backend_id, ttft_s)
+        if self.span is not None:
+            self.span.first_token()
 
     def finish(self, ok: bool, status: int) -> None:
         """Account the attempt (``Router.complete``, metrics); only the first call counts."""
@@ -206,6 +213,8 @@ class _Attempt:
             output_tokens=self.output_tokens,
         )  # fmt: skip
         ctx.metrics.request_done(info.model, bid, status)
+        if self.span is not None:
+            self.span.end(status, self.output_tokens)
         if ok:
             ctx.metrics.observe_e2e(bid, now - self.started)
             if status == 200 and self.output_tokens:
@@ -231,7 +240,12 @@ async def _try_backend(
             ours = {"Content-Type": "application/json", REQUEST_ID_HEADER: call.info.request_id}
             theirs = client_headers(call.request, forwarded_drop(has_keys=bool(cfg.auth.keys)))
             body = call.payload if payload is None else payload
+            if call.trace is not None:  # this attempt's span, its traceparent upstream
+                att.span = call.trace.attempt(att.backend_id, base_url, call.path)
+                theirs = att.span.carry(ours, theirs)
             resp = await ctx.upstream.post(base_url, call.path, body, ours, theirs)
+            if att.span is not None:
+                att.span.connected()
             if _retryable_status(resp.status) or resp.status != 200 or not call.is_stream:
                 body = await resp.read()
                 return resp, body
@@ -250,22 +264,11 @@ async def _try_backend(
         raise
 
 
-def _usage_tokens(body: bytes) -> int:
-    try:
-        usage = orjson.loads(body).get("usage")
-    except (orjson.JSONDecodeError, AttributeError):
-        return 0
-    if not isinstance(usage, dict):
-        return 0
-    tokens = usage.get("completion_tokens", usage.get("output_tokens"))  # OpenAI / Responses
-    return tokens if isinstance(tokens, int) else 0
-
-
 def _whole_response(
     call: _Call, att: _Attempt, resp: UpstreamResponse, body: bytes
 ) -> web.Response:
     if resp.status == 200:
-        att.output_tokens = _usage_tokens(body)
+        att.output_tokens = usage_tokens(body)
         if call.hooks is not None and call.hooks.on_data is not None:
             call.hooks.on_data(att.backend_id, body)
         att.last_chunk_at = att.loop.time()  # the end: non-streamed TTFT is estimated from it
@@ -537,19 +540,6 @@ async def _attempt(
         raise
 
 
-def _payload(body: dict[str, Any], raw: bytes) -> tuple[bytes, bool, bool]:
-    """(bytes to send upstream, is_stream, strip_usage). Asks for usage on streams."""
-    if not body.get("stream"):
-        return raw, False, False
-    opts = body.get("stream_options")
-    if isinstance(opts, dict) and opts.get("include_usage") is True:
-        return raw, True, False
-    new_opts = (
-        {**opts, "include_usage": True} if isinstance(opts, dict) else {"include_usage": True}
-    )
-    return orjson.dumps({**body, "stream_options": new_opts}), True, True
-
-
 async def forward(
     ctx: ProxyContext,
     request: web.Request,
@@ -563,7 +553,7 @@ async def forward(
     loop = asyncio.get_running_loop()
     hooks: ApiHooks | None = request.get(HOOKS_KEY)  # an agent-era API's: sent as it came
     payload, is_stream, strip_usage = (
-        _payload(body, raw) if hooks is None else (raw, body.get("stream") is True, False)
+        stream_payload(body, raw) if hooks is None else (raw, body.get("stream") is True, False)
     )
     user = body.get("user")
     call = _Call(
@@ -571,6 +561,7 @@ async def forward(
         is_stream, strip_usage, loop.time() + ctx.cfg.request_timeout_s, loop,
     )  # fmt: skip
     call.cached_blocks, call.hooks = decision.cached_blocks, hooks
+    call.trace = request[TRACE_KEY] if ctx.is_traced else None
     mig = ctx.cfg.migration
     if (
         is_stream

@@ -12,6 +12,7 @@ meet the SLO sorted by cost, and writes ``OUT/plan.json``. See docs/planner.md.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import sys
 from collections.abc import Callable, Sequence
@@ -19,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kiloserve.catalog import get_gpu, get_model, list_gpus, normalize_name
 from kiloserve.errors import ConfigError
@@ -50,6 +50,7 @@ from kiloserve.plan.planner import (
 )
 from kiloserve.policies import available_policies
 from kiloserve.results.report import write_json
+from kiloserve.sim.sweep import add_sweep_arguments, run_all
 from kiloserve.workload import load_workload
 
 __all__ = ["add_arguments", "run"]
@@ -59,6 +60,7 @@ DEFAULT_NUM_REQUESTS = 300
 SCHEMA_VERSION = 1
 WIDE_COLUMNS = 160  # tables written to a file or pipe are not truncated to 80
 PARETO_LOADS = ("scaled", "target")
+NOT_IN_COMMAND = ("log_level", "func", "jobs", "ray")  # where it ran does not change a plan
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -87,6 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--policy", default="default", help="routing policy for --verify / --pareto (default)")
     a("--sim-duration", type=float, default=60.0, help="seconds of arrivals per cluster run")
     a("--out", default="plan-out", help="output folder for plan.json (plan-out)")
+    add_sweep_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -134,6 +137,7 @@ def _stages(
         candidates, capacities, lambda c: price_for(c.gpu, prices), slo=slo,
         workload_spec=args.workload, mean_output_tokens=mean_out, headroom=args.headroom,
         seed=args.seed, duration_s=args.sim_duration, policy=args.policy,
+        jobs=args.jobs, ray_address=args.ray,
     )  # fmt: skip
     header = {
         "command": _command(args), "model": get_model(args.model).name,
@@ -204,30 +208,15 @@ def _capacities(
                 f"one that fits (fitting now: {names})"
             )
         return {fitting[0].name: capacity_from_sweep(args.sweep_file, slo)}
-    out: dict[str, CapacityResult] = {}
-    with _progress() as progress:
-        task = progress.add_task("rate search", total=len(fitting))
-        for cand in fitting:
-            progress.update(task, description=f"rate search {cand.name}")
-            out[cand.name] = _search(args, cand, slo, mean_in, mean_out)
-            progress.advance(task)
-    return out
-
-
-def _progress() -> Progress:
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        transient=not sys.stderr.isatty(),
-    )
+    search = functools.partial(_search, args, slo, mean_in, mean_out)
+    results = run_all(search, fitting, jobs=args.jobs, ray_address=args.ray, label="rate search")
+    return {cand.name: result for cand, result in zip(fitting, results, strict=True)}
 
 
 def _search(
-    args: argparse.Namespace, cand: Candidate, slo: PercentileSlo, mean_in: float, mean_out: float
+    args: argparse.Namespace, slo: PercentileSlo, mean_in: float, mean_out: float, cand: Candidate
 ) -> CapacityResult:
+    """One candidate's rate search (its probes depend on each other: one task)."""
     from kiloserve.engine.timing import StepTimeModel
 
     timer = StepTimeModel(cand.gpu, cand.model, cand.tp, cand.quant)
@@ -327,7 +316,7 @@ def _command(args: argparse.Namespace) -> list[str]:
     out = ["kiloserve", "plan"]
     for key, value in sorted(vars(args).items()):
         flag = "--" + key.replace("_", "-")
-        if key in ("log_level", "func") or value is None or value is False or value == []:
+        if key in NOT_IN_COMMAND or value is None or value is False or value == []:
             continue
         if value is True:
             out.append(flag)
@@ -367,6 +356,8 @@ def _cluster_runs(
             seed=args.seed,
             duration_s=args.sim_duration,
             policy=args.policy,
+            jobs=args.jobs,
+            ray_address=args.ray,
         )
         out["pareto"] = rows
         console.print(pareto.pareto_table(rows))

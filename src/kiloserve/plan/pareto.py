@@ -24,6 +24,7 @@ warm-up from an empty cluster, so a run should last several E2E latencies.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -38,6 +39,7 @@ from kiloserve.plan.capacity import PROBE_SPAN_KEY, PercentileSlo, Probe, slo_vi
 from kiloserve.plan.planner import Deployment, cost_per_request
 from kiloserve.results.tables import fmt
 from kiloserve.sim import simulate
+from kiloserve.sim.sweep import run_all
 from kiloserve.workload import load_workload
 
 __all__ = [
@@ -52,6 +54,7 @@ __all__ = [
     "rate_for_size",
     "replica_probe",
     "simulate_deployment",
+    "simulate_deployments",
     "verify",
     "verify_text",
     "write_pareto",
@@ -170,6 +173,32 @@ def simulate_deployment(
     return simulate(cluster, workload, policy, seed=seed, slo=per_request).summary
 
 
+def simulate_deployments(
+    runs: Sequence[tuple[Deployment, int, float]],
+    workload_spec: str,
+    *,
+    seed: int = 0,
+    slo: PercentileSlo | None = None,
+    duration_s: float = DEFAULT_DURATION_S,
+    policy: str = DEFAULT_POLICY,
+    jobs: int | None = None,
+    ray_address: str | None = None,
+    label: str = "cluster runs",
+) -> list[dict[str, Any]]:
+    """``simulate_deployment`` for each (deployment, replicas, rate), side by side on
+    ``jobs`` local processes or on Ray (``kiloserve.sim.sweep.run_all``), in order."""
+    one = functools.partial(
+        _simulate_run, workload_spec=workload_spec, seed=seed, slo=slo, duration_s=duration_s,
+        policy=policy,
+    )  # fmt: skip
+    return run_all(one, runs, jobs=jobs, ray_address=ray_address, label=label)
+
+
+def _simulate_run(run: tuple[Deployment, int, float], **kwargs: Any) -> dict[str, Any]:
+    deployment, num_replicas, rate_rps = run
+    return simulate_deployment(deployment, num_replicas, rate_rps, **kwargs)
+
+
 def verify(
     deployment: Deployment,
     slo: PercentileSlo,
@@ -249,22 +278,18 @@ def pareto_rows(
     seed: int = 0,
     duration_s: float = DEFAULT_DURATION_S,
     policy: str = DEFAULT_POLICY,
+    jobs: int | None = None,
+    ray_address: str | None = None,
 ) -> list[dict[str, Any]]:
     """One simulated row per cluster size, Pareto-optimal rows marked (and whether
-    each meets ``slo``, when given)."""
+    each meets ``slo``, when given). The sizes run side by side (``jobs``, Ray)."""
+    runs = [(deployment, n // deployment.candidate.tp, rate_for(n)) for n in sizes]
+    summaries = simulate_deployments(
+        runs, workload_spec, seed=seed, duration_s=duration_s, policy=policy, jobs=jobs,
+        ray_address=ray_address, label="pareto sizes",
+    )  # fmt: skip
     rows = []
-    for num_gpus in sizes:
-        num_replicas = num_gpus // deployment.candidate.tp
-        rate = rate_for(num_gpus)
-        summary = simulate_deployment(
-            deployment,
-            num_replicas,
-            rate,
-            workload_spec,
-            seed=seed,
-            duration_s=duration_s,
-            policy=policy,
-        )
+    for (_, num_replicas, rate), summary in zip(runs, summaries, strict=True):
         row = _row(deployment, num_replicas, rate, summary)
         if slo is not None:
             row["is_slo_met"] = not slo_violations(summary, slo)

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from kiloserve.plan.capacity import CapacityResult, PercentileSlo, slo_violations
-from kiloserve.plan.pareto import simulate_deployment
-from kiloserve.plan.planner import Candidate, plan_deployment
+from kiloserve.plan.pareto import simulate_deployments
+from kiloserve.plan.planner import Candidate, Deployment, plan_deployment
 from kiloserve.plan.stages import STAGE_CARDS, Stage, StageChoice, build_stage, choose_for_stage
 from kiloserve.results.report import write_json
 
@@ -37,16 +37,21 @@ def run_stages(
     duration_s: float,
     policy: str,
     stage_cards: Sequence[int] = STAGE_CARDS,
+    jobs: int | None = None,
+    ray_address: str | None = None,
 ) -> list[Stage]:
-    """One stage per card count: choice, simulated run, targets, must-dos, indicators."""
+    """One stage per card count: choice, simulated run, targets, must-dos, indicators.
+    The stages' runs are independent: they run side by side (``jobs``, Ray)."""
+    choices = [choose_for_stage(n, candidates, capacities, prices, headroom) for n in stage_cards]
+    runs = [_run(c, mean_output_tokens, prices) for c in choices if c is not None]
+    summaries = iter(simulate_deployments(
+        runs, workload_spec, seed=seed, slo=slo, duration_s=duration_s, policy=policy,
+        jobs=jobs, ray_address=ray_address, label="stages",
+    ))  # fmt: skip
     stages: list[Stage] = []
     previous: StageChoice | None = None
-    for index, num_cards in enumerate(stage_cards, 1):
-        choice = choose_for_stage(num_cards, candidates, capacities, prices, headroom)
-        summary = None
-        if choice is not None:
-            summary = _simulate(choice, slo, workload_spec, mean_output_tokens, seed, duration_s,
-                                policy, prices)  # fmt: skip
+    for index, (num_cards, choice) in enumerate(zip(stage_cards, choices, strict=True), 1):
+        summary = next(summaries) if choice is not None else None
         stage = build_stage(
             index, num_cards, choice, summary, candidates=candidates, previous=previous,
             mean_output_tokens=mean_output_tokens, policy=policy,
@@ -58,16 +63,10 @@ def run_stages(
     return stages
 
 
-def _simulate(
-    choice: StageChoice,
-    slo: PercentileSlo,
-    workload_spec: str,
-    mean_output_tokens: float,
-    seed: int,
-    duration_s: float,
-    policy: str,
-    prices: Callable[[Candidate], float],
-) -> dict[str, Any]:
+def _run(
+    choice: StageChoice, mean_output_tokens: float, prices: Callable[[Candidate], float]
+) -> tuple[Deployment, int, float]:
+    """The stage's cluster run for ``simulate_deployments``."""
     deployment = plan_deployment(
         choice.candidate,
         choice.capacity,
@@ -81,16 +80,7 @@ def _simulate(
         choice.num_replicas * choice.candidate.tp, choice.num_replicas, choice.candidate.name,
         choice.rate_rps,
     )  # fmt: skip
-    return simulate_deployment(
-        deployment,
-        choice.num_replicas,
-        choice.rate_rps,
-        workload_spec,
-        seed=seed,
-        slo=slo,
-        duration_s=duration_s,
-        policy=policy,
-    )
+    return deployment, choice.num_replicas, choice.rate_rps
 
 
 def _ms(value: float | None) -> str:

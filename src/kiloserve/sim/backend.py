@@ -77,6 +77,8 @@ class SimBackend:
         self._run_start_s = 0.0
         self._num_run_steps = 0  # planned fused steps, not yet committed
         self.last_step_start_s = math.inf  # when the planned run's last step starts
+        self.pending_swap_s = 0.0  # LoRA swaps the next step (or run) pays for (sim.lora)
+        self._step_swap_s = 0.0  # the swap time inside the step in progress
 
     def _new_core(self) -> EngineCore:
         core = EngineCore(self.model.engine_config, self.model.timer)
@@ -115,6 +117,9 @@ class SimBackend:
         self.work_start_s = now_s
         if core is None or not core.has_unfinished():
             return None
+        swap_s, self.pending_swap_s = self.pending_swap_s * self.slowdown, 0.0
+        self._step_swap_s += swap_s
+        now_s += swap_s  # the adapters load before the step computes
         if self.is_fast_forward:
             num_steps = core.max_fast_forward_steps()
             if num_steps >= 2:
@@ -145,6 +150,8 @@ class SimBackend:
         if self._num_run_steps:
             self._commit_run(self._num_run_steps)
         result, self._pending = self._pending, None
+        self.busy_s += self._step_swap_s
+        self._step_swap_s = 0.0
         if result is not None:
             self.busy_s += result.duration_s * self.slowdown
         return result

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 from rich.console import Console
@@ -27,6 +27,7 @@ from kiloserve.results.report import write_comparison
 from kiloserve.sim.faults import FaultEvent, load_faults, parse_fault
 from kiloserve.sim.report import write_sim_report
 from kiloserve.sim.run import SimResult, simulate
+from kiloserve.sim.sweep import add_sweep_arguments, run_all
 from kiloserve.workload import Workload, load_workload
 
 __all__ = ["add_arguments", "run"]
@@ -55,6 +56,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--records", action="store_true", help="also write requests.jsonl and routing.csv")
     a("--out", required=True, type=Path, help="report folder")
     a("--no-plots", action="store_true", help="skip PNG plots")
+    add_sweep_arguments(p)
+
+
+class _PolicyRun(NamedTuple):
+    """One policy's simulation, as a process pool or Ray task gets it (picklable)."""
+
+    args: argparse.Namespace
+    cluster: Any
+    policy: str
+    params: dict[str, Any] | None
+    slo: Slo | None
+    faults: list[FaultEvent]
+    command: list[str]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,13 +79,12 @@ def run(args: argparse.Namespace) -> int:
     params = _policy_params(args.policy_params)
     slo = parse_slo(args.slo) if args.slo else None
     faults = _faults(args)
-    workload = _workload(args)
     console = Console(stderr=True)
+    command = ["kiloserve", "sim", *sys.argv[2:]]
+    runs = [_PolicyRun(args, cluster, p, params, slo, faults, command) for p in policies]
     summaries: dict[str, dict[str, Any]] = {}
     records = {}
-    for policy in policies:
-        with _progress(console, policy, workload.num_requests) as on_progress:
-            result = _simulate(args, cluster, workload, policy, params, slo, faults, on_progress)
+    for policy, result in zip(policies, _run_policies(runs, console), strict=True):
         write_sim_report(args.out / policy, result, plot=not args.no_plots)
         summaries[policy] = result.summary
         records[policy] = result.records
@@ -84,31 +97,47 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_policies(runs: list[_PolicyRun], console: Console) -> list[SimResult]:
+    """In this process with a bar per policy (``--jobs 1`` or one policy), else side
+    by side on the process pool or Ray (``sim.sweep``)."""
+    args = runs[0].args
+    if args.ray is None and (args.jobs == 1 or len(runs) == 1):
+        workload = _workload(args)
+        results = []
+        for run in runs:
+            with _progress(console, run.policy, workload.num_requests) as on_progress:
+                results.append(_simulate(run, workload, on_progress))
+        return results
+    fields = run_all(_simulate_in_worker, runs, jobs=args.jobs, ray_address=args.ray,
+                     label="sim policies", console=console)  # fmt: skip
+    return [SimResult(*f) for f in fields]
+
+
+def _simulate_in_worker(run: _PolicyRun) -> tuple[Any, ...]:
+    """In a worker; its fields travel back (``SimResult`` may be a compiled class)."""
+    result = _simulate(run, _workload(run.args), None)
+    return result.summary, result.routing, result.records, result.timeseries
+
+
 def _simulate(
-    args: argparse.Namespace,
-    cluster: Any,
-    workload: Workload,
-    policy: str,
-    params: dict[str, Any] | None,
-    slo: Slo | None,
-    faults: list[FaultEvent],
-    on_progress: Callable[[int], None],
+    run: _PolicyRun, workload: Workload, on_progress: Callable[[int], None] | None
 ) -> SimResult:
+    args = run.args
     return simulate(
-        cluster,
+        run.cluster,
         workload,
-        policy,
-        policy_params=params,
+        run.policy,
+        policy_params=run.params,
         seed=args.seed,
         scrape_interval_s=args.scrape_interval,
         network_delay_s=args.network_delay,
-        faults=faults,
+        faults=run.faults,
         keep_records=args.records,
         progress=on_progress,
-        slo=slo,
+        slo=run.slo,
         model=args.model,
         traces_dir=args.traces_dir,
-        command=["kiloserve", "sim", *sys.argv[2:]],
+        command=run.command,
     )
 
 

@@ -88,6 +88,10 @@ class SimGateway:
         # the gateway's slow-node demotion (sim.demotion), on when the config has it on
         self.demotion = SimDemotion(cfg.demotion, self.table) if cfg.demotion.enabled else None
 
+    def pools_changed(self) -> None:
+        """A backend's models changed (a LoRA adapter placed: sim.lora)."""
+        self._candidates = None
+
     def profile(self, spec: RequestSpec, model: str, seq: SimSequence) -> RequestInfo:
         """The profile the gateway builds for the bench client's request for ``spec``."""
         return RequestInfo(

@@ -24,6 +24,7 @@ from kiloserve.sim.cluster import (
 from kiloserve.sim.faults import FaultEvent
 from kiloserve.sim.gateway import ModelPicker, SimGateway
 from kiloserve.sim.kvevents import SimKvEvents
+from kiloserve.sim.lora import SimLora, SimLoraSpec
 from kiloserve.sim.prompts import PromptIds
 from kiloserve.sim.results import MetricsCollector, TimeSeries
 from kiloserve.sim.simulator import Simulator
@@ -77,19 +78,22 @@ def simulate(
     fast_forward: bool = True,
     traces_dir: str | Path | None = None,
     command: Sequence[str] | None = None,
+    lora: SimLoraSpec | None = None,
 ) -> SimResult:
     """Simulate ``workload`` through the gateway (``policy``) over ``cluster``.
 
     ``model`` sends every request to one served model (as ``kiloserve compare`` does);
     ``None`` draws each request's model weighted by the pools' GPU counts. The workload
     must be open loop (arrival times). ``fast_forward=False`` steps every decode step
-    singly (same results; for tests). Raises ``ConfigError`` for bad inputs.
+    singly (same results; for tests). ``lora``: requests use LoRA adapters, placed
+    and swapped as the gateway and the twin do (``sim.lora``; summary ``lora``).
+    Raises ``ConfigError`` for bad inputs.
     """
     if scrape_interval_s <= 0 or network_delay_s < 0:
         raise ConfigError("scrape_interval_s must be > 0 and network_delay_s >= 0")
     opts = _Options(
         dict(policy_params or {}), seed, scrape_interval_s, network_delay_s, tuple(faults),
-        keep_records, progress, slo, model, fast_forward, traces_dir, command,
+        keep_records, progress, slo, model, fast_forward, traces_dir, command, lora,
     )  # fmt: skip
     policy_obj = create_policy(policy, policy_params) if isinstance(policy, str) else policy
     run = _build(cluster, workload, policy_obj, opts)
@@ -112,6 +116,8 @@ def simulate(
         **_cache_and_pools(run),
         "demotions": _demotions(run.sim),
     }
+    if run.sim.lora is not None:
+        summary["lora"] = run.sim.lora.describe()
     return SimResult(summary, run.metrics.routing, run.metrics.records, timeseries)
 
 
@@ -131,6 +137,7 @@ class _Options:
     fast_forward: bool
     traces_dir: str | Path | None
     command: Sequence[str] | None
+    lora: SimLoraSpec | None
 
 
 @dataclass(slots=True)
@@ -170,6 +177,7 @@ def _build(cluster: ClusterConfig, workload: Workload, policy: Policy, opts: _Op
         faults=opts.faults,
         series=series,
         progress=opts.progress,
+        lora=None if opts.lora is None else SimLora(opts.lora, gateway, backends, opts.seed),
     )
     return _Run(sim, metrics, series, digest, infos)
 

@@ -35,6 +35,7 @@ from kiloserve.sim.events import (
 )
 from kiloserve.sim.faults import FaultEvent
 from kiloserve.sim.gateway import ModelPicker, SimGateway
+from kiloserve.sim.lora import SimLora
 from kiloserve.sim.prompts import Prompt, PromptIds
 from kiloserve.sim.request import SimRequest
 from kiloserve.sim.results import MetricsCollector, TimeSeries
@@ -77,8 +78,10 @@ class Simulator:
         faults: Sequence[FaultEvent] = (),
         series: TimeSeries | None = None,
         progress: Callable[[int], None] | None = None,
+        lora: SimLora | None = None,
     ) -> None:
         self.backends = backends
+        self.lora = lora  # LoRA adapters: which requests use one, where (sim.lora)
         self.gateway = gateway
         self.prompts = prompts
         self.metrics = metrics
@@ -196,7 +199,10 @@ class Simulator:
         self._counts.last_arrival_s = now_s
         prompt = self.prompts.prompt(spec)
         seq = _new_sequence(spec.request_id, prompt, spec.output_tokens, now_s)
-        info = self.gateway.profile(spec, self.models.pick(), seq)
+        model = self.models.pick()
+        if self.lora is not None:
+            model = self.lora.model_for(model, spec.request_id, now_s)
+        info = self.gateway.profile(spec, model, seq)
         request = SimRequest(spec, info, prompt, now_s, seq=seq)
         self.gateway.route(request, now_s)
         if not request.ranked:
@@ -289,6 +295,8 @@ class Simulator:
         except RequestError as exc:
             failure = Failure(exc.status, f"http {exc.status}: {exc.message}", False)
             return [*events, AttemptFailed(now_s + self.delay_s, request, failure)]
+        if self.lora is not None:
+            backend.pending_swap_s += self.lora.swap_cost_s(backend.index, request.info.model)
         if not backend.is_busy:
             events += self._start(backend, now_s)
         return events

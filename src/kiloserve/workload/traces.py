@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import csv
 import gzip
+import importlib.resources
 import io
 import lzma
 import os
@@ -61,7 +62,8 @@ TRACE_FILES = {
     "mooncake": "mooncake_conversation.jsonl",
 }
 ENV_VAR = "KILOSERVE_TRACES"
-PACKAGED_TRACES_DIR = Path(__file__).resolve().parent / "data"
+# Not from __file__: the compiled build loads this module from elsewhere (sim/build.py).
+PACKAGED_TRACES_DIR = Path(str(importlib.resources.files("kiloserve.workload"))) / "data"
 _SUFFIXES = ("", ".xz", ".gz")
 
 
