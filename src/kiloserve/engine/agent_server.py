@@ -36,6 +36,7 @@ from kiloserve.engine.agent_protocol import (
     truncate_embedding,
 )
 from kiloserve.engine.agent_shapes import MessagesEncoder, ResponsesEncoder, responses_usage
+from kiloserve.engine.http_body import read_json_object
 from kiloserve.engine.protocol import PROBE_HEADER, GenerationRequest, plan_output, render_chat
 from kiloserve.engine.sequence import output_token_id, output_word
 from kiloserve.engine.twin import DisconnectWatcher, RequestStream, Twin, Watched
@@ -65,16 +66,6 @@ _AGENT_KEY = web.AppKey("kiloserve_twin_agent_apis", _Agent)
 
 def _json(body: object, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
-
-
-async def _read_object(request: web.Request) -> dict[str, Any]:
-    try:
-        body = orjson.loads(await request.read())
-    except orjson.JSONDecodeError as exc:
-        raise RequestError(f"request body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise RequestError("request body must be a JSON object")
-    return body
 
 
 def _check_model(twin: Twin, body: dict[str, Any]) -> None:
@@ -199,7 +190,7 @@ def _store(request: web.Request, response_id: str, messages: Messages) -> None:
 
 async def responses(request: web.Request) -> web.StreamResponse:
     twin = request.app[_AGENT_KEY].twin
-    body = await _read_object(request)
+    body = await read_json_object(request)
     _check_model(twin, body)
     messages = _history(request, body) + responses_chat_messages(body)
     ids = twin.tokenize(render_chat(messages))
@@ -240,7 +231,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
 
 async def _messages(request: web.Request) -> web.StreamResponse:
     twin = request.app[_AGENT_KEY].twin
-    body = await _read_object(request)
+    body = await read_json_object(request)
     _check_model(twin, body)
     if body.get("max_tokens") is None:
         raise RequestError("max_tokens: Field required", param="max_tokens")
@@ -295,7 +286,7 @@ def _vector(ids: list[int], hidden: int, num_dims: int, fmt: str) -> list[float]
 
 async def embeddings(request: web.Request) -> web.Response:
     twin = request.app[_AGENT_KEY].twin
-    body = await _read_object(request)
+    body = await read_json_object(request)
     _check_model(twin, body)
     hidden = get_model(twin.config.model).hidden_size
     num_dims = _opt_int(body, "dimensions") or hidden
@@ -333,7 +324,7 @@ _OUTPUT_PIECES = {output_token_id(i): output_word(i) for i in range(len(FILLER_W
 
 async def detokenize(request: web.Request) -> web.Response:
     twin = request.app[_AGENT_KEY].twin
-    body = await _read_object(request)
+    body = await read_json_object(request)
     _check_model(twin, body)
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(type(t) is int and t >= 0 for t in tokens):

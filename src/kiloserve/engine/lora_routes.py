@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 import orjson
 from aiohttp import web
 
+from kiloserve.engine.http_body import read_json_object
 from kiloserve.engine.lora import LoraRegistry
 from kiloserve.engine.twin import RequestStream, Twin
 from kiloserve.errors import RequestError
@@ -42,16 +43,6 @@ def end_lora_request(twin: Twin, stream: RequestStream) -> None:
         twin.lora.untrack(stream)
 
 
-async def _body(request: web.Request) -> dict[str, object]:
-    try:
-        body = orjson.loads(await request.read())
-    except orjson.JSONDecodeError as exc:
-        raise RequestError(f"request body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise RequestError("request body must be a JSON object")
-    return body
-
-
 def add_lora_routes(app: web.Application, twin: Twin) -> None:
     """Register the runtime adapter endpoints when the twin allows them."""
     lora = twin.lora
@@ -65,7 +56,7 @@ def _handler(
     lora: LoraRegistry, *, is_load: bool
 ) -> Callable[[web.Request], Awaitable[web.Response]]:
     async def handle(request: web.Request) -> web.Response:
-        body = await _body(request)
+        body = await read_json_object(request)
         try:
             if is_load:
                 text = lora.load(body.get("lora_name"), body.get("lora_path"))

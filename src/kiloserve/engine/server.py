@@ -41,6 +41,7 @@ from kiloserve import __version__
 from kiloserve.engine.agent_server import add_agent_routes
 from kiloserve.engine.core import StepTimer
 from kiloserve.engine.faults import FaultSet
+from kiloserve.engine.http_body import read_json
 from kiloserve.engine.lora_routes import (
     adapter_of,
     add_lora_routes,
@@ -129,14 +130,6 @@ async def error_middleware(
         return _error(500, "internal error in the engine twin", "InternalServerError")
 
 
-async def _read_json(request: web.Request) -> object:
-    raw = await request.read()
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise RequestError(f"request body is not valid JSON: {exc}") from exc
-
-
 def _check_model(twin: Twin, model: str | None) -> None:
     if model is not None and model != twin.model_name and adapter_of(twin, model) is None:
         raise NotFoundError(f"The model `{model}` does not exist.", param="model")
@@ -158,7 +151,7 @@ async def _submit(
 
 async def _generate(request: web.Request, parser: Parser) -> web.StreamResponse:
     twin = request.app[TWIN_KEY]
-    body = await _read_json(request)
+    body = await read_json(request)
     watcher = request.app[WATCHER_KEY]
     entry = watcher.watch(request)
     try:
@@ -299,7 +292,7 @@ async def version(request: web.Request) -> web.Response:
 
 async def tokenize(request: web.Request) -> web.Response:
     twin = request.app[TWIN_KEY]
-    body = await _read_json(request)
+    body = await read_json(request)
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")
     _check_model(twin, body.get("model") if isinstance(body.get("model"), str) else None)
@@ -347,7 +340,7 @@ async def get_faults(request: web.Request) -> web.Response:
 
 async def post_faults(request: web.Request) -> web.StreamResponse:
     twin = request.app[TWIN_KEY]
-    faults = FaultSet.from_json(await _read_json(request))
+    faults = FaultSet.from_json(await read_json(request))
     if faults.is_crash:
         logger.warning("crash fault requested: exiting with code 1")
         response = _json({"crash": True})
