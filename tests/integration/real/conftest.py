@@ -194,7 +194,15 @@ def vllm_cluster(
         # vLLM's CPU build can take over a second to render /metrics when the cores are
         # busy (its API server is not pinned); a 0.5 s scrape time-out would mark an
         # idle engine unknown and steer traffic away from it.
-        gateway_options={"scrape_interval_s": 0.1, "scrape_timeout_s": 3.0, "stale_after_s": 10.0},
+        # These tests count the engines' own tokens, queues and prefix-cache queries
+        # exactly; the gateway's 1-token completion probe (on by default for vLLM) would
+        # add its requests to vLLM's counters (docs/fault-tolerance.md), so it is off.
+        gateway_options={
+            "scrape_interval_s": 0.1,
+            "scrape_timeout_s": 3.0,
+            "stale_after_s": 10.0,
+            "health": {"completion_probe": False},
+        },
     )
     with cluster:
         yield cluster
