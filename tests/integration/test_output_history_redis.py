@@ -114,6 +114,8 @@ async def test_without_redis_each_gateway_keeps_its_own_history() -> None:
                 return await _metric(gw, "kiloserve_gateway_output_history_failures_total") >= 1
 
             await _until(failed)
+            await asyncio.sleep(0.3)  # idle flushes (nothing to send) must not read as "up"
+            assert await _metric(gw, "kiloserve_gateway_output_history_shared") == 0
             await _learn(gw, "alice")
             assert await _predicted(gw, fake, "alice") == LEARNED_TOKENS  # its own history
             assert await _metric(gw, "kiloserve_gateway_output_history_shared") == 0

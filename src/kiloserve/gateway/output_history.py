@@ -151,11 +151,12 @@ class SharedOutputPredictor(OutputPredictor):
         self.is_shared = False
         self.num_failures += 1
 
-    async def _flush(self) -> None:
+    async def _flush(self) -> bool:
+        """Send what is pending; False when there was nothing to send (Redis untouched)."""
         batch = list(self._pending)
         fetch = list(self._to_fetch)
         if not batch and not fetch:
-            return
+            return False
         prefix, cfg = self.cfg.key_prefix, self.cfg
         async with self._redis.pipeline(transaction=False) as pipe:
             for digest, tokens in batch:
@@ -174,12 +175,13 @@ class SharedOutputPredictor(OutputPredictor):
                 self._asked.popitem(last=False)
             if value is not None and digest not in self._values:
                 self._set(digest, float(value))
+        return True
 
     async def _flush_loop(self) -> None:
         while True:
             try:
-                await self._flush()
-                self._up()
+                if await self._flush():  # an idle flush says nothing of Redis
+                    self._up()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -198,6 +200,7 @@ class SharedOutputPredictor(OutputPredictor):
             pubsub = self._redis.pubsub()
             try:
                 await pubsub.subscribe(self.cfg.channel)
+                self._up()
                 while True:
                     got = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.5)
                     if got is not None and got.get("type") == "message":
