@@ -57,31 +57,23 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         engine_url=url, etcd=list(args.etcd), name=args.name or parts.netloc,
         models=list(args.model), prefix=args.prefix, ttl_s=args.ttl, interval_s=args.interval,
         gpu=args.gpu, weight=args.weight, is_nvml_enabled=not args.no_nvml,
-        dcgm_url=_dcgm_url(args.dcgm_url),
-        kv_events_endpoint=_kv_endpoint(args.kv_events_endpoint, "--kv-events-endpoint"),
-        kv_events_replay_endpoint=_kv_endpoint(
-            args.kv_events_replay_endpoint, "--kv-events-replay-endpoint"
+        dcgm_url=_backend_field(args.dcgm_url, "--dcgm-url", "node_metrics_url"),
+        kv_events_endpoint=_backend_field(
+            args.kv_events_endpoint, "--kv-events-endpoint", "kv_events_endpoint"
+        ),
+        kv_events_replay_endpoint=_backend_field(
+            args.kv_events_replay_endpoint, "--kv-events-replay-endpoint",
+            "kv_events_replay_endpoint",
         ),
     )  # fmt: skip
 
 
-def _dcgm_url(value: str | None) -> str | None:
-    """An http:// URL (the rule of ``BackendConfig.node_metrics_url``)."""
+def _backend_field(value: str | None, flag: str, field: str) -> str | None:
+    """``value`` checked by the rule of ``BackendConfig.<field>`` (an error names ``flag``)."""
     if value is None:
         return None
     try:
-        BackendConfig(url="http://x:1", node_metrics_url=value)
-    except ValidationError as exc:
-        raise ConfigError(f"--dcgm-url: {exc.errors()[0]['msg']}") from exc
-    return value
-
-
-def _kv_endpoint(value: str | None, flag: str) -> str | None:
-    """A ZMQ endpoint the gateway can connect to (the rule of ``BackendConfig``)."""
-    if value is None:
-        return None
-    try:
-        BackendConfig(url="http://x:1", kv_events_endpoint=value)
+        BackendConfig.model_validate({"url": "http://x:1", field: value})
     except ValidationError as exc:
         raise ConfigError(f"{flag}: {exc.errors()[0]['msg']}") from exc
     return value
