@@ -8,7 +8,11 @@ Units: ``memory_gb`` is the card's nominal size and is read as GiB (HBM and GDDR
 stacks are power-of-two sized; an "80 GB" H100 reports ~79.6 GiB to the driver);
 ``bandwidth_tbs`` is TB/s (1e12 bytes/s); ``tflops_*`` are dense (non-sparse) TFLOPS;
 ``link_bandwidth_gbs`` is the per-direction GPU-to-GPU bandwidth used for the
-tensor-parallel all-reduce (NVLink / Infinity Fabric / PCIe), in GB/s (1e9 bytes/s).
+tensor-parallel all-reduce (NVLink / Infinity Fabric / PCIe), in GB/s (1e9 bytes/s);
+``network_bandwidth_gbs`` is one GPU's share of the scale-out network (its NIC: 400
+Gb/s InfiniBand/RoCE = 50 GB/s), over which a decode engine pulls KV from a prefill
+engine; ``pcie_bandwidth_gbs`` is the host link (PCIe Gen5 x16 64, Gen4 x16 32, Gen3
+x16 16 GB/s), over which KV moves to and from a CPU tier. Both per direction.
 """
 
 from __future__ import annotations
@@ -78,6 +82,8 @@ class GpuSpec:
     max_num_batched_tokens: int
     max_num_seqs: int
     link_bandwidth_gbs: float = 300.0
+    network_bandwidth_gbs: float = 25.0  # 200 Gb/s NIC per GPU unless the entry says
+    pcie_bandwidth_gbs: float = 32.0  # PCIe Gen4 x16 unless the entry says
 
     @property
     def memory_bytes(self) -> int:

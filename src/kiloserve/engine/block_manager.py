@@ -28,6 +28,12 @@ registered by ``register_full_blocks`` (``stored``), the hashes each eviction dr
 (``removed``) and a full reset (``cleared``). Private blocks are never in the index,
 so never reported. With no sink (the simulator's default) the hot paths pay one
 attribute test per call (per evicted block in ``_evict``).
+
+KV tiers (``kv_tiers.KvTiers`` in ``tiers``, None without tiers): every hashed block
+``_evict`` drops is offloaded to them, and ``find_tier_blocks`` / ``load_from_tiers``
+continue a prefix lookup past the GPU hits (the scheduler allocates the loaded
+blocks like newly computed ones, then counts them as computed). Private blocks are
+never tiered (nobody else could hit them).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Protocol
 
+from kiloserve.engine.kv_tiers import KvTiers
 from kiloserve.engine.sequence import Sequence
 
 __all__ = ["BlockManager", "KvEventSink"]
@@ -93,6 +100,7 @@ class BlockManager:
         self.prefix_cache_queries_tokens = 0
         self.prefix_cache_hits_tokens = 0
         self.kv_sink: KvEventSink | None = None
+        self.tiers: KvTiers | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -154,6 +162,28 @@ class BlockManager:
             if segment:  # table order is the reverse of eviction order
                 hits += segment[::-1][: max_num_hit_blocks - num_shared]
         return hits
+
+    def find_tier_blocks(self, seq: Sequence, num_gpu_hits: int) -> tuple[int, int]:
+        """(CPU, remote) tier blocks that continue ``seq``'s ``num_gpu_hits`` GPU hits
+        (shared blocks only; the last token is always left to compute)."""
+        tiers = self.tiers
+        if tiers is None or not self.enable_prefix_caching:
+            return 0, 0
+        end = self._num_shared(seq, (seq.num_tokens - 1) // self.block_size)
+        if num_gpu_hits >= end:
+            return 0, 0
+        return tiers.lookup(seq.block_hashes, num_gpu_hits, end)
+
+    def load_from_tiers(self, seq: Sequence, num_gpu_hits: int, num_blocks: int) -> float:
+        """Take ``num_blocks`` tier blocks after ``seq``'s GPU hits out of the tiers (call
+        before allocating them) and count the lookup; returns the load seconds."""
+        tiers = self.tiers
+        if tiers is None:
+            return 0.0
+        tiers.num_queries_tokens += seq.num_tokens
+        if not num_blocks:
+            return 0.0
+        return tiers.load(seq.block_hashes, num_gpu_hits, num_blocks)
 
     def can_allocate(
         self, cached_block_ids: list[int], num_new_tokens: int, seq: Sequence | None = None
@@ -265,7 +295,8 @@ class BlockManager:
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block, as vLLM's ``reset_prefix_cache``: only while no
         sequence holds a block (else False, nothing changed). Cached blocks become
-        plain free blocks, taken (in their old order) before never-used ones."""
+        plain free blocks, taken (in their old order) before never-used ones; the KV
+        tiers are emptied too (a cold cache)."""
         if self.num_free_blocks < self.num_blocks - 1:
             return False
         self._free_uncached = self.free_block_order()[::-1]
@@ -276,6 +307,8 @@ class BlockManager:
         self._hashes = [None] * len(self._hashes)
         if self.kv_sink is not None:
             self.kv_sink.cleared()
+        if self.tiers is not None:
+            self.tiers.clear()
         return True
 
     def deallocate(self, seq: Sequence) -> None:
@@ -371,8 +404,8 @@ class BlockManager:
         free_cached, segments = self._free_cached, self._segments
         hashes, hash_to_block = self._hashes, self._hash_to_block
         popitem = free_cached.popitem
-        sink = self.kv_sink
-        dropped: list[int] | None = None if sink is None else []
+        sink, tiers = self.kv_sink, self.tiers
+        dropped: list[int] | None = None if sink is None and tiers is None else []
         taken: list[int] = []
         while len(taken) < num_blocks:
             key = popitem(False)[0]
@@ -397,6 +430,9 @@ class BlockManager:
                 taken += segment
                 del segments[key]
                 self._num_segment_blocks -= len(segment)
-        if sink is not None and dropped:
-            sink.removed(dropped)
+        if dropped:
+            if sink is not None:
+                sink.removed(dropped)
+            if tiers is not None:
+                tiers.offload(dropped)
         return taken

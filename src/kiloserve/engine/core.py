@@ -12,6 +12,11 @@ context is the number of tokens the decoded token attends to, including itself
 must equal the sum of ``step_time_s([], [c + j for c in contexts])`` for ``j`` in
 ``0..k-1`` (a decode run's time depends on the batch only through its size and its
 total context, so a fused run is timed in O(1)).
+
+KV tiers: a step that admits a sequence with KV-tier hits lasts the timer's time plus
+the loads' (``StepResult.load_s``). A fused run admits nothing, so it never loads and
+its timing is unchanged (the blocks it evicts are offloaded in single-step order).
+Held blocks (``hold_on_finish``) count as used until ``release``.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ class StepResult:
 
     ``started``: the sequences this step scheduled for the first time (their queue
     time, vLLM's ``vllm:request_queue_time_seconds``, ends when the step starts).
+    ``load_s``: seconds of ``duration_s`` spent loading KV-tier blocks back to the GPU
+    (0 without tiers, and always 0 for fused decode steps).
     A plain class, not a dataclass: the compiled build (mypyc) runs a dataclass's
     generated ``__init__`` as interpreted code, and one of these is made per step.
     """
@@ -49,6 +56,7 @@ class StepResult:
     __slots__ = (
         "duration_s",
         "finished",
+        "load_s",
         "new_tokens",
         "num_decode_tokens",
         "num_preempted",
@@ -67,8 +75,10 @@ class StepResult:
         num_prefill_tokens: int = 0,
         num_decode_tokens: int = 0,
         started: list[Sequence] | None = None,
+        load_s: float = 0.0,
     ) -> None:
         self.duration_s = duration_s
+        self.load_s = load_s
         self.num_steps = num_steps
         self.new_tokens: dict[str, int] = {} if new_tokens is None else new_tokens
         self.finished: list[Sequence] = [] if finished is None else finished
@@ -87,6 +97,7 @@ class StepResult:
             self.num_prefill_tokens,
             self.num_decode_tokens,
             [id(seq) for seq in self.started],
+            self.load_s,
         )
 
     def __eq__(self, other: object) -> bool:
@@ -102,7 +113,7 @@ class StepResult:
             f"new_tokens={self.new_tokens!r}, finished={finished!r}, "
             f"num_preempted={self.num_preempted}, num_prefill_tokens="
             f"{self.num_prefill_tokens}, num_decode_tokens={self.num_decode_tokens}, "
-            f"started={started!r})"
+            f"started={started!r}, load_s={self.load_s!r})"
         )
 
 
@@ -140,6 +151,13 @@ class EngineCore:
             raise RequestError("max_tokens must be at least 1", param="max_tokens")
         if seq.num_output_tokens or seq.num_computed_tokens or seq.block_table:
             raise RequestError(f"sequence {seq.seq_id!r} was already run")
+        num_transferred = seq.num_transferred_tokens
+        if not 0 <= num_transferred < seq.num_prompt_tokens:
+            raise RequestError(
+                f"num_transferred_tokens must be in [0, {seq.num_prompt_tokens - 1}] (the "
+                f"last prompt token is always computed), got {num_transferred}",
+                param="kv_transfer_params",
+            )
         num_tokens = seq.num_prompt_tokens + seq.max_tokens
         if num_tokens > cfg.max_model_len:
             raise RequestError(
@@ -165,6 +183,18 @@ class EngineCore:
             self._invalidate()
         return seq
 
+    def release(self, seq_id: str) -> bool:
+        """Free the blocks a finished ``hold_on_finish`` sequence kept (False: none
+        held under ``seq_id``, e.g. already released)."""
+        if self.scheduler.release(seq_id) is None:
+            return False
+        self._invalidate()  # more free blocks: a waiting sequence may now fit
+        return True
+
+    def get_held(self, seq_id: str) -> Sequence | None:
+        """A finished sequence whose blocks are held (its ``block_table`` is intact)."""
+        return self.scheduler.held.get(seq_id)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -180,6 +210,8 @@ class EngineCore:
             return StepResult(duration_s=0.0, num_steps=0, num_preempted=batch.num_preempted)
         prefill, decode_contexts = _split_batch(batch)
         duration_s = self.timer.step_time_s(prefill, decode_contexts)
+        if batch.load_s:
+            duration_s += batch.load_s
         new_tokens = {
             seq.seq_id: 1
             for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True)
@@ -196,6 +228,7 @@ class EngineCore:
             num_prefill_tokens=sum(num_new for num_new, _ in prefill),
             num_decode_tokens=len(decode_contexts),
             started=batch.started,
+            load_s=batch.load_s,
         )
 
     def max_fast_forward_steps(self) -> int:
@@ -298,6 +331,71 @@ class EngineCore:
     @property
     def num_free_blocks(self) -> int:
         return self.scheduler.block_manager.num_free_blocks
+
+    # --- KV tiers (all 0 without tiers) --------------------------------------------
+    @property
+    def kv_tier_queries_tokens(self) -> int:
+        """Tokens of admitted sequences whose prefix was looked up in the tiers."""
+        tiers = self.scheduler.block_manager.tiers
+        return 0 if tiers is None else tiers.num_queries_tokens
+
+    @property
+    def kv_cpu_hit_tokens(self) -> int:
+        """Tokens loaded back from the CPU tier."""
+        tiers = self.scheduler.block_manager.tiers
+        return 0 if tiers is None else tiers.num_cpu_hit_tokens
+
+    @property
+    def kv_remote_hit_tokens(self) -> int:
+        """Tokens loaded back from the remote tier."""
+        tiers = self.scheduler.block_manager.tiers
+        return 0 if tiers is None else tiers.num_remote_hit_tokens
+
+    @property
+    def kv_cpu_offloaded_blocks(self) -> int:
+        """Blocks offloaded into the CPU tier (evicted from the GPU)."""
+        tiers = self.scheduler.block_manager.tiers
+        return 0 if tiers is None else tiers.num_cpu_offloaded_blocks
+
+    @property
+    def kv_remote_offloaded_blocks(self) -> int:
+        """Blocks offloaded into the remote tier (from the CPU tier, or the GPU)."""
+        tiers = self.scheduler.block_manager.tiers
+        return 0 if tiers is None else tiers.num_remote_offloaded_blocks
+
+    @property
+    def kv_loaded_bytes(self) -> int:
+        """KV bytes (per GPU) loaded back from the tiers."""
+        tiers = self.scheduler.block_manager.tiers
+        return 0 if tiers is None else tiers.loaded_bytes
+
+    @property
+    def kv_load_s_total(self) -> float:
+        """Seconds of step time spent loading from the tiers."""
+        tiers = self.scheduler.block_manager.tiers
+        return 0.0 if tiers is None else tiers.load_s_total
+
+    @property
+    def kv_cpu_blocks_used(self) -> int:
+        """Blocks in the CPU tier now (of ``config.kv_cpu_blocks``)."""
+        tiers = self.scheduler.block_manager.tiers
+        return 0 if tiers is None else tiers.num_cpu_blocks
+
+    @property
+    def kv_remote_blocks_used(self) -> int:
+        """Blocks in the remote tier now (of ``config.kv_remote_blocks``)."""
+        tiers = self.scheduler.block_manager.tiers
+        return 0 if tiers is None else tiers.num_remote_blocks
+
+    @property
+    def num_held_blocks(self) -> int:
+        """Blocks kept by finished ``hold_on_finish`` sequences until ``release``."""
+        return self.scheduler.num_held_blocks
+
+    @property
+    def num_held_seqs(self) -> int:
+        """Finished sequences whose blocks are held."""
+        return len(self.scheduler.held)
 
 
 def _split_batch(batch: ScheduledBatch) -> tuple[list[tuple[int, int]], list[int]]:

@@ -12,6 +12,13 @@ skips the cached tokens (the last token is always computed).
 advance, a sequence whose tokens are all computed gets one output token (so the step
 that finishes a prefill yields the first token) and finishes at ``max_tokens``.
 
+Disaggregation (see ``Sequence``): a waiting sequence's ``num_transferred_tokens``
+past its prefix-cache hits are allocated and counted as computed when it is first
+admitted (they use no token budget); a finished ``hold_on_finish`` sequence keeps its
+blocks in ``held`` until ``release``. With KV tiers, an admission's prefix lookup goes
+on past the GPU hits into the tiers (unless transferred tokens cover it): the blocks
+found are loaded (``batch.load_s``) and counted as computed, like transferred ones.
+
 ``max_decode_steps`` / ``advance_decodes`` fuse a run of steps in which the batch only
 decodes (no admission, no finish before the last step, enough free blocks); they
 reproduce the block allocations and cache registrations of single steps in order.
@@ -23,6 +30,7 @@ from collections import deque
 
 from kiloserve.engine.block_manager import BlockManager
 from kiloserve.engine.config import EngineConfig
+from kiloserve.engine.kv_tiers import KvTiers
 from kiloserve.engine.sequence import Sequence, SequenceStatus
 
 __all__ = ["ScheduledBatch", "Scheduler"]
@@ -34,15 +42,17 @@ _REGISTER = 1
 class ScheduledBatch:
     """One step's work: ``(sequence, number of tokens to compute)`` in schedule order;
     ``started``: the sequences scheduled for the first time (they leave the waiting
-    queue: vLLM's queue time ends here). A plain class: see ``StepResult``."""
+    queue: vLLM's queue time ends here); ``load_s``: seconds spent loading KV-tier
+    blocks for the sequences admitted. A plain class: see ``StepResult``."""
 
-    __slots__ = ("num_new_tokens", "num_preempted", "seqs", "started")
+    __slots__ = ("load_s", "num_new_tokens", "num_preempted", "seqs", "started")
 
     def __init__(self) -> None:
         self.seqs: list[Sequence] = []
         self.num_new_tokens: list[int] = []
         self.num_preempted = 0
         self.started: list[Sequence] = []
+        self.load_s = 0.0
 
     @property
     def is_empty(self) -> bool:
@@ -57,9 +67,20 @@ class Scheduler:
         self.block_manager = BlockManager(
             config.num_blocks, config.block_size, config.enable_prefix_caching
         )
+        if config.has_kv_tiers:
+            self.block_manager.tiers = KvTiers(
+                config.kv_cpu_blocks,
+                config.kv_remote_blocks,
+                config.kv_bytes_per_block,
+                config.block_size,
+                config.kv_cpu_bandwidth_bps,
+                config.kv_remote_bandwidth_bps,
+            )
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order
         self.num_preemptions_total = 0
+        self.held: dict[str, Sequence] = {}  # finished, blocks kept (hold_on_finish)
+        self.num_held_blocks = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -125,17 +146,35 @@ class Scheduler:
 
     def _schedule_waiting(self, batch: ScheduledBatch, token_budget: int) -> None:
         manager = self.block_manager
+        size = self.config.block_size
         while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             cached_block_ids = manager.find_cached_blocks(seq)
-            num_hit_tokens = len(cached_block_ids) * self.config.block_size
-            num_new = self._chunk(seq.num_tokens - num_hit_tokens, token_budget)
-            if not manager.can_allocate(cached_block_ids, num_new, seq):
+            num_hits = len(cached_block_ids)
+            num_hit_tokens = num_hits * size
+            # tokens past the GPU hits that need blocks but no compute: KV transferred
+            # from a prefill engine, or blocks loaded back from a KV tier
+            num_external = 0
+            num_tier_blocks = -1  # -1: no tier lookup
+            if seq.num_transferred_tokens > num_hit_tokens and seq.num_preemptions == 0:
+                num_external = seq.num_transferred_tokens - num_hit_tokens
+            elif manager.tiers is not None:
+                num_cpu, num_remote = manager.find_tier_blocks(seq, num_hits)
+                num_tier_blocks = num_cpu + num_remote
+                num_external = num_tier_blocks * size
+            num_computed = num_hit_tokens + num_external
+            num_new = self._chunk(seq.num_tokens - num_computed, token_budget)
+            if not manager.can_allocate(cached_block_ids, num_external + num_new, seq):
                 break
             self.waiting.popleft()
-            manager.allocate(seq, cached_block_ids, num_new)
+            if num_tier_blocks >= 0:  # out of the tiers before allocating evicts into them
+                batch.load_s += manager.load_from_tiers(seq, num_hits, num_tier_blocks)
+            else:
+                num_tier_blocks = 0
+            manager.allocate(seq, cached_block_ids, num_external + num_new)
+            seq.num_computed_tokens = num_computed
             if seq.num_preemptions == 0:
-                seq.num_cached_tokens = num_hit_tokens
+                seq.num_cached_tokens = num_hit_tokens + num_tier_blocks * size
                 batch.started.append(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -164,9 +203,27 @@ class Scheduler:
         for seq in seqs:
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = seq.stop_reason if reason is None else reason
-            self.block_manager.deallocate(seq)
+            if seq.hold_on_finish and reason is None:
+                self._hold(seq)
+            else:
+                self.block_manager.deallocate(seq)
         done = {id(seq) for seq in seqs}
         self.running = [seq for seq in self.running if id(seq) not in done]
+
+    def _hold(self, seq: Sequence) -> None:
+        """Keep a finished ``seq``'s blocks until ``release`` (a sequence held under the
+        same id before is released first: its blocks cannot be reached any more)."""
+        self.release(seq.seq_id)
+        self.held[seq.seq_id] = seq
+        self.num_held_blocks += len(seq.block_table)
+
+    def release(self, seq_id: str) -> Sequence | None:
+        """Free the blocks of the held sequence ``seq_id`` (None: no such sequence)."""
+        seq = self.held.pop(seq_id, None)
+        if seq is not None:
+            self.num_held_blocks -= len(seq.block_table)
+            self.block_manager.deallocate(seq)
+        return seq
 
     def max_decode_steps(self) -> int:
         """Largest k such that the next k steps are pure decodes of the running batch.

@@ -64,6 +64,7 @@ _SEQUENCE_ATTRS: Final = (
     "block_table",
     "finish_reason",
     "free_segment_key",
+    "hold_on_finish",
     "max_tokens",
     "num_cached_tokens",
     "num_computed_tokens",
@@ -71,6 +72,7 @@ _SEQUENCE_ATTRS: Final = (
     "num_output_tokens",
     "num_preemptions",
     "num_tokens",
+    "num_transferred_tokens",
     "planned_output_token_ids",
     "private_from_block",
     "prompt_token_ids",
@@ -96,6 +98,16 @@ class Sequence:
     (None: any block may be shared); the block manager keeps them out of its hash
     index (see block_manager.py). A plain class, not a dataclass: the compiled build
     (mypyc) runs a dataclass's generated ``__init__`` as interpreted code.
+
+    Disaggregated prefill/decode (P/D): ``num_transferred_tokens`` (decode side) is
+    the number of leading prompt tokens whose KV arrived from a prefill engine: when
+    the sequence is first scheduled they count as computed (blocks are allocated for
+    them, no prefill compute, not a prefix-cache hit), so only the rest is prefilled.
+    As in vLLM's NixlConnector it is at most ``len(prompt) - 1`` (the last prompt
+    token is recomputed for its logits); after a preemption the sequence is
+    recomputed like any other. ``hold_on_finish`` (prefill side): on a normal finish
+    the blocks stay allocated until ``EngineCore.release`` (vLLM's delayed free while
+    a decode engine pulls them); an abort frees them at once.
     """
 
     __slots__ = _SEQUENCE_ATTRS
@@ -111,6 +123,8 @@ class Sequence:
         *,
         block_size: int = 16,
         private_from_block: int | None = None,
+        num_transferred_tokens: int = 0,
+        hold_on_finish: bool = False,
     ) -> None:
         self.seq_id = seq_id
         self.prompt_token_ids = prompt_token_ids
@@ -120,6 +134,8 @@ class Sequence:
         self.planned_output_token_ids = planned_output_token_ids
         self.block_size = block_size
         self.private_from_block = private_from_block
+        self.num_transferred_tokens = num_transferred_tokens
+        self.hold_on_finish = hold_on_finish
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0

@@ -221,3 +221,33 @@ def test_model_config_missing_key(tmp_path: Path) -> None:
         load_model_config(path)
     with pytest.raises(CatalogError, match="cannot read"):
         load_model_config(tmp_path / "missing.json")
+
+
+def test_gpu_kv_links_default_and_parse(tmp_path: Path) -> None:
+    path = tmp_path / "gpus.yaml"
+    path.write_text(GPU_YAML)
+    spec = load_gpus_file(path)["B200"]
+    assert (spec.network_bandwidth_gbs, spec.pcie_bandwidth_gbs) == (25.0, 32.0)
+    path.write_text(GPU_YAML + "  network_bandwidth_gbs: 50\n  pcie_bandwidth_gbs: 64\n")
+    spec = load_gpus_file(path)["B200"]
+    assert (spec.network_bandwidth_gbs, spec.pcie_bandwidth_gbs) == (50.0, 64.0)
+    path.write_text(GPU_YAML + "  pcie_bandwidth_gbs: 0\n")
+    with pytest.raises(CatalogError, match="pcie_bandwidth_gbs must be positive"):
+        load_gpus_file(path)
+
+
+@pytest.mark.parametrize(
+    ("name", "network_gbs", "pcie_gbs"),
+    [
+        ("A100-80G", 25.0, 32.0),
+        ("H100-SXM", 50.0, 64.0),
+        ("H200", 50.0, 64.0),
+        ("L40S", 12.5, 32.0),
+        ("A10", 12.5, 32.0),
+        ("T4", 12.5, 16.0),
+        ("MI300X", 50.0, 64.0),
+    ],
+)
+def test_builtin_gpu_kv_links(name: str, network_gbs: float, pcie_gbs: float) -> None:
+    spec = get_gpu(name)
+    assert (spec.network_bandwidth_gbs, spec.pcie_bandwidth_gbs) == (network_gbs, pcie_gbs)

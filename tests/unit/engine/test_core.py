@@ -233,11 +233,16 @@ def fields(obj: object) -> dict[str, Any]:
 
 def snapshot(core: EngineCore) -> dict[str, Any]:
     sched = core.scheduler
+    manager = fields(sched.block_manager)
+    if manager.get("tiers") is not None:
+        manager["tiers"] = fields(manager["tiers"])  # compared by value, not identity
     return {
-        "manager": fields(sched.block_manager),
+        "manager": manager,
         "waiting": [fields(s) for s in sched.waiting],
         "running": [fields(s) for s in sched.running],
         "preemptions": sched.num_preemptions_total,
+        "held": {seq_id: fields(seq) for seq_id, seq in sched.held.items()},
+        "num_held_blocks": sched.num_held_blocks,
     }
 
 
@@ -255,28 +260,42 @@ def random_seq(rng: random.Random, index: int, prefixes: list[list[int]]) -> Seq
     )
 
 
-def run_pair(seed: int, timer: StepTimer | None = None) -> tuple[int, int]:
-    """Drive a single-stepped and a fast-forwarded engine with the same arrivals."""
+def run_pair(
+    seed: int, timer: StepTimer | None = None, *, is_pd: bool = False, **extra: Any
+) -> tuple[int, int, EngineCore]:
+    """Drive a single-stepped and a fast-forwarded engine with the same arrivals
+    (``extra``: more engine config, e.g. KV tiers; ``is_pd``: some requests hold their
+    blocks on finishing, released later, and some arrive with transferred KV)."""
     rng = random.Random(seed)
-    config = {
+    config: dict[str, Any] = {
         "num_blocks": rng.randint(18, 40),
         "max_num_seqs": rng.randint(2, 8),
         "max_num_batched_tokens": rng.choice([8, 16, 64]),
         "long_prefill_token_threshold": rng.choice([0, 0, 5]),
         "enable_prefix_caching": rng.random() < 0.8,
+        **extra,
     }
     single, fused = make_core(timer, **config), make_core(timer, **config)
     prefixes = [[rng.randrange(20) for _ in range(24)] for _ in range(3)]
-    num_fused_steps = num_added = 0
+    num_fused_steps = num_added = num_released = 0
     for _ in range(300):
         if rng.random() < 0.15:
             seq = random_seq(rng, num_added, prefixes)
             num_added += 1
+            if is_pd:
+                kind = rng.random()
+                seq.hold_on_finish = kind < 0.3
+                if kind > 0.7:
+                    seq.num_transferred_tokens = seq.num_prompt_tokens - 1
             try:
                 single.add(seq)
             except RequestError:
                 continue  # can never fit this config
             fused.add(copy.deepcopy(seq))
+        if is_pd and single.scheduler.held and rng.random() < 0.2:
+            seq_id = next(iter(single.scheduler.held))
+            assert single.release(seq_id) and fused.release(seq_id)
+            num_released += 1
         max_steps = fused.max_fast_forward_steps()
         num_steps = rng.randint(1, max_steps) if max_steps else 1
         expected = [single.step() for _ in range(num_steps)]
@@ -284,7 +303,11 @@ def run_pair(seed: int, timer: StepTimer | None = None) -> tuple[int, int]:
         check_same(expected, got, max_steps > 0, is_exact=timer is None)
         assert snapshot(single) == snapshot(fused)
         num_fused_steps += num_steps if max_steps else 0
-    return num_fused_steps, num_added
+    if is_pd:
+        assert num_released > 2  # holds really happened and were released
+        held = single.scheduler.held.values()
+        assert single.num_held_blocks == sum(len(seq.block_table) for seq in held)
+    return num_fused_steps, num_added, single
 
 
 def check_same(expected: list[StepResult], got: StepResult, is_fused: bool, is_exact: bool) -> None:
@@ -305,14 +328,37 @@ def check_same(expected: list[StepResult], got: StepResult, is_fused: bool, is_e
 
 @pytest.mark.parametrize("seed", range(12))
 def test_advance_equals_single_steps(seed: int) -> None:
-    num_fused_steps, num_added = run_pair(seed)
+    num_fused_steps, num_added, _ = run_pair(seed)
     assert num_added > 20
     assert num_fused_steps > 50  # fast-forward really happened
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_advance_equals_single_steps_with_kv_tiers(seed: int) -> None:
+    tiers = {
+        "kv_cpu_blocks": 6,
+        "kv_remote_blocks": 10,
+        "kv_bytes_per_block": 1_000_000,
+        "kv_cpu_bandwidth_bps": 1e9,  # 1 ms a block (an exact 1000 us with LinearTimer)
+        "kv_remote_bandwidth_bps": 1e8,
+    }
+    num_fused_steps, num_added, core = run_pair(seed, **tiers)
+    assert num_added > 20
+    assert num_fused_steps > 50
+    if core.config.enable_prefix_caching:  # else nothing is hashed, so nothing tiered
+        assert core.kv_cpu_hit_tokens > 0 and core.kv_remote_hit_tokens > 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_advance_equals_single_steps_with_held_and_transferred_kv(seed: int) -> None:
+    num_fused_steps, num_added, _ = run_pair(seed, is_pd=True)
+    assert num_added > 20
+    assert num_fused_steps > 50
+
+
 def test_advance_matches_single_steps_with_the_roofline_timer() -> None:
     timer = StepTimeModel(get_gpu("H100"), get_model("llama-3.1-8b"))
-    num_fused_steps, _ = run_pair(3, timer)
+    num_fused_steps, _, _ = run_pair(3, timer)
     assert num_fused_steps > 50
 
 
