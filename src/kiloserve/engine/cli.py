@@ -5,10 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 
+from kiloserve.engine.config import ROLES
 from kiloserve.engine.faults import FaultSet, ThermalFault
+from kiloserve.engine.kv_holds import DEFAULT_HOLD_TIMEOUT_S
 from kiloserve.engine.lora import LoraModule, parse_lora_module
+from kiloserve.engine.transfer import LINK_KINDS
 from kiloserve.engine.twin import TwinConfig
 from kiloserve.errors import ConfigError, RequestError
 
@@ -80,6 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="ADDR",
         help="serve replays of missed batches on a ZMQ ROUTER socket bound here",
     )
+    _add_pd_arguments(parser)
     parser.add_argument(
         "--otlp-traces-endpoint",
         metavar="URL",
@@ -104,6 +109,57 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     node.add_argument("--xid", type=int, default=0, help="the Xid the GPU reports (0: none)")
     node.add_argument("--ecc-dbe-errors", type=int, default=0, help="uncorrectable ECC errors")
+
+
+def _add_pd_arguments(parser: argparse.ArgumentParser) -> None:
+    pd = parser.add_argument_group(
+        "disaggregated prefill/decode and KV tiers (docs/engine-twin.md)"
+    )
+    pd.add_argument(
+        "--role",
+        choices=ROLES,
+        default="both",
+        help="prefill legs, decode legs, or both (default; every role serves plain requests)",
+    )
+    pd.add_argument(
+        "--kv-cpu-gib", type=_gib_arg, default=0.0, metavar="N", help="CPU KV tier (default 0)"
+    )
+    pd.add_argument(
+        "--kv-remote-gib", type=_gib_arg, default=0.0, metavar="N", help="remote KV tier (0)"
+    )
+    pd.add_argument(
+        "--kv-link",
+        choices=LINK_KINDS,
+        default="network",
+        help="the link a decode leg pulls KV over (default network)",
+    )
+    pd.add_argument(
+        "--kv-hold-timeout-s",
+        type=_positive_seconds_arg,
+        default=DEFAULT_HOLD_TIMEOUT_S,
+        metavar="S",
+        help="free a prefill leg's KV if no decode engine released it by then (default 480)",
+    )
+
+
+def _gib_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a number of GiB >= 0, got {text!r}")
+    return value
+
+
+def _positive_seconds_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
 
 
 def _thermal_arg(text: str) -> ThermalFault:
@@ -160,6 +216,11 @@ def config_from_args(args: argparse.Namespace) -> TwinConfig:
         max_cpu_loras=args.max_cpu_loras,
         allow_runtime_lora_updating=_env_true(RUNTIME_LORA_ENV),
         otlp_traces_endpoint=args.otlp_traces_endpoint,
+        role=args.role,
+        kv_cpu_gib=args.kv_cpu_gib,
+        kv_remote_gib=args.kv_remote_gib,
+        kv_link=args.kv_link,
+        kv_hold_timeout_s=args.kv_hold_timeout_s,
     )
 
 

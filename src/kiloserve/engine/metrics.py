@@ -18,6 +18,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kiloserve.engine.kv_metrics import KvMetrics
+
 __all__ = [
     "E2E_BUCKETS_S",
     "ITL_BUCKETS_S",
@@ -189,6 +191,7 @@ class TwinMetrics:
             "How far the real-time loop runs behind the modelled step deadlines.",
             registry=reg,
         )
+        self.kv = KvMetrics(reg, labels)  # P/D transfers and held KV (kv_metrics.py)
 
     def set_cache_config(self, config: dict[str, str]) -> None:
         """vLLM's ``vllm:cache_config_info`` (its cache config as labels, value 1), which

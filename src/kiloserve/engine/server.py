@@ -40,6 +40,7 @@ from aiohttp import web
 from kiloserve import __version__
 from kiloserve.engine.agent_server import add_agent_routes
 from kiloserve.engine.core import StepTimer
+from kiloserve.engine.disagg_routes import PLAIN, Leg, add_disagg_routes, leg_of
 from kiloserve.engine.faults import FaultSet
 from kiloserve.engine.http_body import read_json
 from kiloserve.engine.lora_routes import (
@@ -136,13 +137,19 @@ def _check_model(twin: Twin, model: str | None) -> None:
 
 
 async def _submit(
-    twin: Twin, gen: GenerationRequest, entry: Watched, is_probe: bool = False
+    twin: Twin, gen: GenerationRequest, entry: Watched, is_probe: bool = False, leg: Leg = PLAIN
 ) -> RequestStream:
     num_out, finish = plan_output(gen, twin.max_model_len)
-    stream = await twin.loop.submit(
-        gen.prompt_token_ids, num_out, finish, is_notify_each_step=gen.is_stream,
-        is_probe=is_probe,
-    )  # fmt: skip
+    is_done = False
+    try:
+        stream = await twin.loop.submit(
+            gen.prompt_token_ids, num_out, finish, is_notify_each_step=gen.is_stream,
+            is_probe=is_probe, hold_request_id=leg.hold_request_id,
+            num_transferred_tokens=leg.num_transferred_tokens, transfer_s=leg.transfer_s,
+        )  # fmt: skip
+        is_done = True
+    finally:
+        leg.submitted(is_done)  # a decode leg frees its prefill's KV (disagg_routes.py)
     entry.stream = stream
     if entry.gone.is_set():
         twin.loop.abort(stream)
@@ -164,14 +171,15 @@ async def _generate(request: web.Request, parser: Parser) -> web.StreamResponse:
             return _error(status, "injected fault (kiloserve engine twin)", err_type)
         gen = parser(body, twin.tokenize)
         _check_model(twin, gen.model)
+        leg = leg_of(request, twin, body, len(gen.prompt_token_ids))  # P/D kv_transfer_params
         track_lora = start_lora_request(twin, gen.model)  # engine/lora_routes.py
         if gen.n > 1:  # one sequence per choice, as vLLM's parallel sampling
             return await generate_n(request, twin, gen, entry, PROBE_HEADER in request.headers)
-        stream = await _submit(twin, gen, entry, PROBE_HEADER in request.headers)
+        stream = await _submit(twin, gen, entry, PROBE_HEADER in request.headers, leg)
         track_lora(stream)
         if gen.is_stream:
             return await _send_stream(request, twin, gen, stream, entry)
-        return await _send_full(twin, gen, stream)
+        return await _send_full(twin, gen, stream, request, leg)
     finally:
         watcher.unwatch(request)
         if entry.stream is not None:
@@ -188,7 +196,9 @@ def _encoder(twin: Twin, gen: GenerationRequest) -> ChunkEncoder:
     return ShapedChunkEncoder(*args, gen.fields)  # engine/sampling_fields.py
 
 
-async def _send_full(twin: Twin, gen: GenerationRequest, stream: RequestStream) -> web.Response:
+async def _send_full(
+    twin: Twin, gen: GenerationRequest, stream: RequestStream, request: web.Request, leg: Leg
+) -> web.Response:
     while not stream.is_finished:
         await stream.wait_beyond(stream.num_generated_tokens)
     reason = stream.finish_reason or "abort"
@@ -198,6 +208,7 @@ async def _send_full(twin: Twin, gen: GenerationRequest, stream: RequestStream) 
     body = _encoder(twin, gen).full_response(
         num_prompt, stream.num_generated_tokens, reason, _num_cached(twin, stream)
     )
+    body = leg.answer(body, stream, request)  # a prefill leg's kv_transfer_params
     return web.Response(body=body, content_type="application/json")
 
 
@@ -411,6 +422,7 @@ def create_app(
     app.router.add_post("/tokenize", tokenize)
     add_agent_routes(app, twin, app[WATCHER_KEY])  # /v1/responses, /v1/messages, ...
     add_lora_routes(app, twin)  # /v1/load_lora_adapter, /v1/unload_lora_adapter
+    add_disagg_routes(app, twin)  # /kv_transfer/release, /kv_transfer/info
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/node/metrics", node_metrics)
     app.router.add_get("/admin/faults", _admin_guard(admin_token, policy, get_faults))
@@ -493,11 +505,12 @@ async def serve_twin(
     async with server:
         twin = server.twin
         logger.info(
-            "engine twin %s (%s on %d x %s) listening on %s",
+            "engine twin %s (%s on %d x %s, role %s) listening on %s",
             twin.model_name,
             config.model,
             config.tp,
             config.gpu,
+            config.role,
             server.url,
         )
         publisher = twin.kv_publisher

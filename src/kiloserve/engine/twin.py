@@ -37,12 +37,14 @@ from typing import TYPE_CHECKING, Protocol
 from kiloserve.catalog import get_gpu, get_model
 from kiloserve.engine.core import EngineCore, StepTimer
 from kiloserve.engine.faults import FaultInjector, FaultSet
+from kiloserve.engine.kv_holds import DEFAULT_HOLD_TIMEOUT_S, KvHolds
 from kiloserve.engine.lora import LoraModule, LoraRegistry
 from kiloserve.engine.metrics import EngineStats, LagTracker, TwinMetrics, read_engine_stats
 from kiloserve.engine.node_metrics import NodeModel
 from kiloserve.engine.protocol import TokenizeFn, load_tokenizer
 from kiloserve.engine.sequence import Sequence, SequenceStatus
 from kiloserve.engine.setup import engine_config_for
+from kiloserve.engine.twin_pd import TwinPd, check_pd_options, twin_pd_for
 from kiloserve.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -86,6 +88,7 @@ class EngineCoreLike(Protocol):
     def has_unfinished(self) -> bool: ...
     def step(self) -> StepResultLike: ...
     def abort(self, seq_id: str) -> object: ...
+    def release(self, seq_id: str) -> object: ...
 
 
 @dataclass(slots=True, eq=False)
@@ -100,6 +103,7 @@ class RequestStream:
     num_generated_tokens: int = 0
     finish_reason: str | None = None
     last_token_s: float | None = None
+    kv_request_id: str | None = None  # a prefill leg's: held under this id when done
     _waiter: asyncio.Future[None] | None = field(default=None, repr=False)
     _seq: Sequence | None = field(default=None, repr=False)  # the engine's sequence
 
@@ -217,6 +221,7 @@ class TwinLoop:
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         kv_events: tuple[KvEventLog, KvEventPublisher] | None = None,
+        holds: KvHolds | None = None,
     ) -> None:
         self._core = core
         self._metrics = metrics
@@ -232,6 +237,7 @@ class TwinLoop:
         self._lag = LagTracker(metrics)
         self._num_requests = 0
         self._kv_events = kv_events  # the engine's event log and where its batches go
+        self.holds = holds  # finished prefill legs keeping their KV (engine/kv_holds.py)
         self.failure: BaseException | None = None  # set if the loop died
         self.pending_swap_s = 0.0  # LoRA loads (engine/lora.py) the next step pays for
 
@@ -263,9 +269,18 @@ class TwinLoop:
         *,
         is_notify_each_step: bool = True,
         is_probe: bool = False,
+        hold_request_id: str | None = None,
+        num_transferred_tokens: int = 0,
+        transfer_s: float = 0.0,
     ) -> RequestStream:
         """Queue a request (after the modelled API overhead) and return its stream; a
-        probe's (``is_probe``) tokens and finish are left out of the metrics."""
+        probe's (``is_probe``) tokens and finish are left out of the metrics.
+
+        P/D legs: ``hold_request_id`` (a prefill leg) keeps the finished sequence's KV
+        in ``holds`` under that id (``stream.kv_request_id`` has the id it got);
+        ``num_transferred_tokens`` (a decode leg) is the prompt KV pulled from the
+        prefill engine, which takes ``transfer_s`` first (the request has arrived:
+        its TTFT includes the transfer, as vLLM's does)."""
         if self.failure is not None:
             raise RuntimeError("the engine twin loop has failed") from self.failure
         arrival_s = self._clock()
@@ -282,11 +297,14 @@ class TwinLoop:
             arrival_s=arrival_s,
             stop_reason=stop_reason,
             block_size=self._block_size,
+            num_transferred_tokens=num_transferred_tokens,
+            hold_on_finish=hold_request_id is not None and self.holds is not None,
         )
         stream._seq = seq
+        stream.kv_request_id = hold_request_id
         try:
-            if self.api_overhead_s > 0:
-                await asyncio.sleep(self.api_overhead_s)
+            if self.api_overhead_s + transfer_s > 0:
+                await asyncio.sleep(self.api_overhead_s + transfer_s)
             self._core.add(seq)
         except BaseException:  # invalid request, or the handler was cancelled
             self._streams.pop(seq_id, None)
@@ -392,8 +410,13 @@ class TwinLoop:
         for seq in result.finished:
             stream = streams.pop(seq.seq_id, None)
             if stream is None:
+                if seq.hold_on_finish:
+                    self._core.release(seq.seq_id)  # nobody will hand its KV over
                 continue
             reason = seq.finish_reason or seq.stop_reason
+            if seq.hold_on_finish and self.holds is not None:
+                request_id = stream.kv_request_id or seq.seq_id
+                stream.kv_request_id = self.holds.hold(request_id, seq.seq_id, seq.block_table)
             stream.finish_reason = reason
             self._metrics_of(stream).on_finished(reason, now_s - stream.arrival_s)
             stream.notify()
@@ -428,6 +451,11 @@ class TwinConfig:
     max_cpu_loras: int | None = None  # adapters in the CPU cache (None: max_loras)
     allow_runtime_lora_updating: bool = False  # VLLM_ALLOW_RUNTIME_LORA_UPDATING
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP traces URL (None: off), as vLLM
+    role: str = "both"  # P/D role: prefill | decode | both (engine/kv_params.py)
+    kv_cpu_gib: float = 0.0  # CPU KV tier, GiB over all TP ranks (0: none)
+    kv_remote_gib: float = 0.0  # remote KV tier, GiB (0: none)
+    kv_link: str = "network"  # the link a decode leg pulls KV over: nvlink|network|pcie
+    kv_hold_timeout_s: float = DEFAULT_HOLD_TIMEOUT_S  # a prefill leg's KV is freed after
 
 
 @dataclass(slots=True, eq=False)
@@ -445,6 +473,7 @@ class Twin:
     node: NodeModel  # the node page (GET /node/metrics): a dcgm-exporter stand-in
     kv_publisher: KvEventPublisher | None = None  # started and closed by the server
     lora: LoraRegistry | None = None  # with --enable-lora
+    pd: TwinPd | None = None  # role, engine id, KV link, held prefills (twin_pd.py)
 
 
 def build_twin(config: TwinConfig, timer: StepTimer | None = None) -> Twin:
@@ -453,6 +482,10 @@ def build_twin(config: TwinConfig, timer: StepTimer | None = None) -> Twin:
     ``timer`` replaces the roofline ``StepTimeModel`` (tests use fixed step times).
     """
     gpu, model = get_gpu(config.gpu), get_model(config.model)
+    check_pd_options(
+        config.role, config.kv_link, config.kv_hold_timeout_s, config.kv_cpu_gib,
+        config.kv_remote_gib,
+    )  # fmt: skip
     engine_config, ledger = engine_config_for(
         gpu,
         model,
@@ -463,6 +496,9 @@ def build_twin(config: TwinConfig, timer: StepTimer | None = None) -> Twin:
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         num_gpu_blocks_override=config.num_gpu_blocks_override,
+        kv_cpu_gib=config.kv_cpu_gib,
+        kv_remote_gib=config.kv_remote_gib,
+        role=config.role,
     )
     if timer is None:
         from kiloserve.engine.timing import StepTimeModel
@@ -473,6 +509,14 @@ def build_twin(config: TwinConfig, timer: StepTimer | None = None) -> Twin:
     faults = FaultInjector(config.faults, config.seed)
     stats_fn = functools.partial(read_engine_stats, core)
     metrics = TwinMetrics(name, stats_fn, faults.thermal_reading)
+    holds = KvHolds(core, config.kv_hold_timeout_s, lambda _held: metrics.kv.on_expired())
+    pd = twin_pd_for(
+        gpu, role=config.role, kv_link=config.kv_link, tp=config.tp, holds=holds,
+        kv_bytes_per_token_per_gpu=ledger.kv_bytes_per_token_per_gpu,
+    )  # fmt: skip
+    metrics.kv.add_collector(core, holds, pd.role)
+    if engine_config.has_kv_tiers:
+        metrics.kv.add_tier_collector(core, config.tp)
     metrics.set_cache_config({
         "block_size": str(engine_config.block_size), "cache_dtype": "auto",
         "enable_prefix_caching": "True", "num_gpu_blocks": str(engine_config.num_blocks),
@@ -490,6 +534,7 @@ def build_twin(config: TwinConfig, timer: StepTimer | None = None) -> Twin:
         block_size=ledger.block_size,
         api_overhead_s=overhead_s,
         kv_events=kv_events,
+        holds=holds,
     )
     tokenizer = load_tokenizer(config.tokenizer_path)
     created_s = int(time.time())
@@ -497,7 +542,7 @@ def build_twin(config: TwinConfig, timer: StepTimer | None = None) -> Twin:
     node = NodeModel(gpu, config.tp, ledger.kv_bytes_per_token_per_gpu, stats_fn, faults)
     return Twin(
         config, name, ledger.max_model_len, tokenizer, loop, metrics, faults, created_s, node,
-        publisher, _lora_for(config, name),
+        publisher, _lora_for(config, name), pd,
     )  # fmt: skip
 
 
