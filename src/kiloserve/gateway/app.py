@@ -55,6 +55,7 @@ from kiloserve.gateway.body_checks import check_stream_fields
 from kiloserve.gateway.config import GatewayConfig
 from kiloserve.gateway.dashboard import add_dashboard_routes
 from kiloserve.gateway.dashboard_state import DashboardRecorder
+from kiloserve.gateway.disagg import forward_split, plan_split
 from kiloserve.gateway.errors import ProtocolErrorLog, error_middleware
 from kiloserve.gateway.extra_apis import api_view, install_extra_apis
 from kiloserve.gateway.headers import REQUEST_ID_HEADER
@@ -341,8 +342,9 @@ async def _dispatch(
     if ctx.num_in_flight >= ctx.cfg.max_in_flight:
         ctx.metrics.request_done(info.model, "", 503)
         raise _overloaded("in-flight (max_in_flight)")
+    split = plan_split(ctx, request, path, body, info, decision)  # P/D (gateway/disagg.py)
     if decision is None:
-        decision = ctx.router.decide(info, time.monotonic())
+        decision = split.prefill if split else ctx.router.decide(info, time.monotonic())
     if ctx.is_traced:
         request[TRACE_KEY].decided(decision)
     if not decision.ranked:
@@ -354,6 +356,8 @@ async def _dispatch(
         )
     ctx.num_in_flight += 1
     try:
+        if split is not None:
+            return await forward_split(ctx, request, path, body, raw, info, split)
         return await forward(ctx, request, path, body, raw, info, decision)
     finally:
         ctx.num_in_flight -= 1

@@ -37,6 +37,7 @@ from kiloserve.gateway.resilience.outlier import OutlierConfig
 from kiloserve.gateway.tracing_settings import TracingConfig
 from kiloserve.httpguard import split_host
 from kiloserve.routing.config import BackendConfig
+from kiloserve.routing.disagg import DisaggConfig
 from kiloserve.validation import model_at, unknown_keys_message
 
 __all__ = [
@@ -136,6 +137,9 @@ class GatewayConfig(_Strict):
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
     # mid-stream failover and stall detection (docs/gateway.md, "Mid-stream failover")
     migration: MigrationConfig = Field(default_factory=MigrationConfig)
+    # disaggregated prefill/decode: split rule and prefill leg (docs/gateway.md,
+    # "Disaggregated prefill/decode"; routing/disagg.py, gateway/disagg.py)
+    disagg: DisaggConfig = Field(default_factory=DisaggConfig)
     shutdown_grace_s: float = Field(default=30.0, ge=0.0)
     # glibc malloc_trim(0) every this many seconds (0: never; gateway/heap.py)
     malloc_trim_interval_s: float = Field(default=60.0, ge=0.0)

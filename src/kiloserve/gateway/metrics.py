@@ -29,6 +29,11 @@ With a policy that keeps the approximate prefix index (``default``, ``scored``,
 ``prefix_affinity``): ``kiloserve_prefix_index_blocks`` and
 ``kiloserve_prefix_index_max_blocks`` (its cap; from ``prefix_index_fill``, set by the
 app), so a soak can tell the index filling up to its cap from a leak (issue 15).
+
+Disaggregated prefill/decode (``gateway/disagg.py``):
+``kiloserve_gateway_disagg_requests_total{mode}`` (``split``, ``colocated``,
+``fallback``) and the histogram ``kiloserve_gateway_disagg_prefill_seconds{backend}``
+(a successful prefill leg's time, its backend's answer included).
 """
 
 from __future__ import annotations
@@ -295,6 +300,10 @@ class _HotPathCollector(Collector):
         yield _histogram("ttft_seconds", "time to first token", m.ttft)
         yield _histogram("inter_token_seconds", "gap between relayed stream chunks", m.itl)
         yield _histogram("e2e_seconds", "end-to-end request latency", m.e2e)
+        yield _counter("disagg_requests", "P/D requests by mode: split, colocated, fallback",
+                       ["mode"], m.disagg_requests)  # fmt: skip
+        yield _histogram("disagg_prefill_seconds", "prefill leg time of split requests",
+                         m.prefill_leg)  # fmt: skip
 
 
 def _counter(
@@ -330,6 +339,8 @@ class GatewayMetrics:
         self.ttft: dict[str, _Histogram] = {}
         self.itl: dict[str, _Histogram] = {}
         self.e2e: dict[str, _Histogram] = {}
+        self.disagg_requests: dict[tuple[str, ...], int] = {}
+        self.prefill_leg: dict[str, _Histogram] = {}
         self.kv_bad_messages: dict[str, int] = {}
         # model -> "exact" | "approximate" (the app sets the profiler's)
         self.tokenizer_modes: Callable[[], Mapping[str, str]] = dict
@@ -367,6 +378,13 @@ class GatewayMetrics:
 
     def observe_e2e(self, backend: str, seconds: float) -> None:
         self._hist(self.e2e, backend, LATENCY_BUCKETS_S).observe(seconds)
+
+    def disagg(self, mode: str) -> None:
+        """A request for a model with P/D backends: ``split``, ``colocated``, ``fallback``."""
+        self._inc(self.disagg_requests, (mode,))
+
+    def observe_prefill_leg(self, backend: str, seconds: float) -> None:
+        self._hist(self.prefill_leg, backend, LATENCY_BUCKETS_S).observe(seconds)
 
     def retry(self, backend: str, reason: str) -> None:
         self._inc(self.retries, (backend, reason))

@@ -172,6 +172,7 @@ def continuation_body(
     """The request that continues ``body`` after ``delivered``; None when no token is
     left to generate (the proxy then ends the stream itself)."""
     out = dict(body)
+    out.pop("kv_transfer_params", None)  # a P/D decode leg's: the continuation recomputes
     out["stream"] = True
     opts = body.get("stream_options")
     out["stream_options"] = (

@@ -64,7 +64,7 @@ LIVE_FIELDS = frozenset({
     "policy", "backends", "auth", "max_in_flight", "max_body_bytes",
     "max_buffered_body_bytes", "client_body_timeout_s", "profile_offload_bytes",
     "retries", "first_byte_timeout_s", "non_stream_timeout_s", "request_timeout_s",
-    "migration",
+    "migration", "disagg",
 })  # fmt: skip
 _ADMISSION_LIVE = "admission.limits"
 

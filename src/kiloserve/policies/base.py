@@ -94,6 +94,7 @@ class BackendState:
     cost_per_hour: float = 0.0
     weight: float = 1.0
     kv_capacity_tokens: int | None = None
+    role: str = "both"  # prefill | decode | both: disaggregated serving (routing/disagg.py)
     max_num_seqs: int | None = None
     # health (fault-tolerance layer)
     healthy: bool = True

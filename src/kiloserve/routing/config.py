@@ -32,6 +32,9 @@ class BackendConfig(BaseModel):
     cost_per_hour: float = Field(default=0.0, ge=0.0)
     weight: float = Field(default=1.0, ge=0.0)
     engine: EngineKind = "auto"
+    # disaggregated prefill/decode (routing/disagg.py): a ``prefill`` backend computes
+    # prompts for a remote decode, a ``decode`` one continues them, ``both`` runs whole
+    role: Literal["prefill", "decode", "both"] = "both"
     kv_capacity_tokens: int | None = Field(default=None, ge=1)  # admission budget (admission.md)
     # vLLM's --kv-events-config publisher (docs/kv-events.md): the gateway subscribes
     kv_events_endpoint: str | None = None

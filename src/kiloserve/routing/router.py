@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 from kiloserve.errors import NotFoundError
 from kiloserve.policies.accounting import estimated_ttft_ms
 from kiloserve.policies.base import BackendState, Decision, Outcome, Policy, RequestInfo
+from kiloserve.routing.disagg import Role, unsplit_order
 from kiloserve.routing.table import BackendTable
 
 __all__ = [
@@ -99,23 +100,34 @@ class Router:
         *,
         eligible_by_model: dict[str, tuple[BackendState, ...]] | None = None,
         limit: int | None = None,
+        role: Role | None = None,
     ) -> Decision:
         """The policy's ranking restricted to the model's routable pool, best first.
 
         ``limit`` stops once that many backends are found (the simulator asks for the
         proxy's ``retries + 1``); ``eligible_by_model`` is handed to the snapshot (see
         ``BackendTable.snapshot``). The returned ``Decision`` may be empty.
+
+        Disaggregated serving (``routing/disagg.py``): with ``role`` the policy chooses
+        among that role's backends only (a split request's prefill leg); without it, in
+        a table with prefill/decode-role backends, the ranking puts ``both`` backends
+        first, then ``decode``, then ``prefill`` ones (``unsplit_order``).
         """
         table = self.table
         table.sync()
+        pool = table.pool_ids(info.model)
+        if role is not None:
+            eligible_by_model, pool = self._of_role(info.model, role, eligible_by_model)
         snapshot = table.snapshot(now_s, eligible_by_model)
         decision = self.policy.choose(info, snapshot, self.rng)
-        pool = table.pool_ids(info.model)
+        order = decision.ranked
+        if role is None and table.has_roles:
+            order = unsplit_order(order, table.role_of)
         ranked: list[str] = []
         pin = self.pins.get(info.request_id) if self.pins else None
         if pin is not None and pin in pool and table.is_routable(pin):
             ranked.append(pin)
-        for backend_id in decision.ranked:
+        for backend_id in order:
             if len(ranked) == limit:
                 break
             if backend_id != pin and backend_id in pool and table.is_routable(backend_id):
@@ -127,6 +139,16 @@ class Router:
             for listener in self.decision_listeners:
                 listener(info, decision, kept)
         return decision.replaced(ranked=kept)
+
+    def _of_role(
+        self, model: str, role: Role, eligible_by_model: dict[str, tuple[BackendState, ...]] | None
+    ) -> tuple[dict[str, tuple[BackendState, ...]], frozenset[str]]:
+        """(the policy's candidates, the pool) restricted to ``role``'s backends."""
+        given = None if eligible_by_model is None else eligible_by_model.get(model)
+        source = given if given is not None else self.table.pool(model)
+        states = tuple(b for b in source if b.role == role and b.is_routable and b.weight > 0.0)
+        ids = frozenset(b.backend_id for b in self.table.pool(model) if b.role == role)
+        return {**(eligible_by_model or {}), model: states}, ids
 
     def cached_tokens(
         self, info: RequestInfo, cached_blocks: Mapping[str, int] | None, backend_id: str

@@ -97,6 +97,7 @@ def _new_state(cfg: BackendConfig) -> BackendState:
         weight=cfg.weight,
         effective_weight=1.0,  # the health factor; policies multiply by weight
         kv_capacity_tokens=cfg.kv_capacity_tokens,
+        role=cfg.role,
         scrape_stale=True,
     )
 
@@ -161,6 +162,7 @@ class BackendTable:
         self._states: tuple[BackendState, ...] = tuple(r.state for r in self._records.values())
         self._pools: dict[str, tuple[BackendState, ...]] = {}
         self._pool_ids: dict[str, frozenset[str]] = {}
+        self.has_roles = False  # a prefill- or decode-role backend exists (routing/disagg.py)
         self._rebuild_pools()
         # the engines' prefix caches from KV events (set by the gateway or simulator
         # when backends publish them); every snapshot carries it to the policy
@@ -246,6 +248,16 @@ class BackendTable:
                 pools.setdefault(m, []).append(s)
         self._pools = {m: tuple(v) for m, v in pools.items()}
         self._pool_ids = {m: frozenset(s.backend_id for s in v) for m, v in pools.items()}
+        self.has_roles = any(s.role != "both" for s in self._states)
+
+    def role_of(self, backend_id: str) -> str:
+        """The backend's role (prefill, decode or both); ``both`` when unknown."""
+        rec = self._records.get(backend_id)
+        return "both" if rec is None else rec.state.role
+
+    def pool(self, model: str) -> tuple[BackendState, ...]:
+        """Every backend serving ``model`` (healthy or not), in table order."""
+        return self._pools.get(model, ())
 
     # -- live counters (hot path) --------------------------------------------------
     def on_dispatch(self, backend_id: str, info: RequestInfo) -> None:
@@ -313,6 +325,7 @@ class BackendTable:
             s, new = rec.state, _new_state(cfg)
             s.url, s.models, s.gpu, s.group = new.url, new.models, new.gpu, new.group
             s.version, s.cost_per_hour, s.weight = new.version, new.cost_per_hour, new.weight
+            s.role = new.role
             rec.config = cfg
             if rec.is_removing:
                 rec.is_removing, s.draining = False, False
@@ -464,6 +477,7 @@ class BackendTable:
             "cache_config": rec.inventory.get("cache_config", {}),
             "gpu": s.gpu,
             "group": s.group,
+            "role": s.role,
             "version": s.version,
             "cost_per_hour": s.cost_per_hour,
             "weight": s.weight,
