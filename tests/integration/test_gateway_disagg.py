@@ -232,13 +232,12 @@ async def test_prefill_failure_moves_to_another_prefill() -> None:
     assert [x["kv_transfer_params"]["remote_engine_id"] for x in d.bodies] == ["P-ok", "P-ok"]
 
 
-async def test_prefill_timeout_and_missing_params_move_on() -> None:
-    p_hang, p_bare, p_ok = PdFake(mode="hang"), PdFake(omit_params=True), PdFake(engine_id="P2")
+async def test_prefill_timeout_moves_on() -> None:
+    p_hang, p_ok = PdFake(mode="hang"), PdFake(engine_id="P2")
     d = PdFake()
-    async with fake_backends(p_hang, p_bare, p_ok, d):
+    async with fake_backends(p_hang, p_ok, d):
         cfg = _pd_config(
-            ("p-hang", "prefill", p_hang), ("p-bare", "prefill", p_bare),
-            ("p-ok", "prefill", p_ok), ("d", "decode", d),
+            ("p-hang", "prefill", p_hang), ("p-ok", "prefill", p_ok), ("d", "decode", d),
             disagg={"min_prompt_tokens": 64, "transfer_timeout_s": 0.3},
         )  # fmt: skip
         async with running_gateway(cfg) as gw:
@@ -248,12 +247,29 @@ async def test_prefill_timeout_and_missing_params_move_on() -> None:
             rows = await admin_backends(gw)
             retries = "kiloserve_gateway_retries_total{"
             timeout = await _metric(gw, retries + 'backend="p-hang",reason="prefill_timeout"}')
-            bare = 'backend="p-bare",reason="prefill_no_kv_transfer_params"}'
-            assert (timeout, await _metric(gw, retries + bare)) == (1, 1)
-    assert len(p_hang.bodies) == 1 and len(p_bare.bodies) == 1
+            assert timeout == 1
+    assert len(p_hang.bodies) == 1
     assert d.bodies[0]["kv_transfer_params"]["remote_engine_id"] == "P2"
     assert p_hang.num_aborted == 1  # the timed-out leg was closed: the engine aborts it
     assert rows["p-hang"]["in_flight"] == 0 and rows["p-ok"]["in_flight"] == 0
+
+
+async def test_prefill_answer_without_params_sends_the_decode_leg_bare() -> None:
+    """vLLM's ExampleConnector (KV through shared storage) answers the prefill leg with
+    ``kv_transfer_params: null``: the decode leg still goes, without params (real vLLM:
+    tests/integration/real/test_real_vllm_disagg.py)."""
+    p_bare, d = PdFake(omit_params=True), PdFake()
+    async with fake_backends(p_bare, d):
+        cfg = _pd_config(("p-bare", "prefill", p_bare), ("d", "decode", d))
+        async with running_gateway(cfg) as gw:
+            body = {"model": "m", "prompt": LONG_PROMPT, "max_tokens": 3}
+            status, headers, _ = await _post(gw, body)
+            split = 'kiloserve_gateway_disagg_requests_total{mode="split"}'
+            assert await _metric(gw, split) == 1
+    assert status == 200 and headers["x-kiloserve-backend"] == "d"
+    assert len(p_bare.bodies) == 1 and p_bare.bodies[0]["max_tokens"] == 1
+    (decode,) = d.bodies
+    assert "kv_transfer_params" not in decode and decode["max_tokens"] == 3
 
 
 async def test_all_prefill_down_runs_whole_on_decode() -> None:

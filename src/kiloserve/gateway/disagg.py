@@ -17,8 +17,12 @@ simulator); this module speaks the wire protocol of vLLM's disaggregated-serving
    (``rank_decode``: least KV usage, then in-flight), through the proxy
    (``gateway/proxy.py``: relay, retries, mid-stream failover, accounting).
 
-Failover: a prefill backend that fails (connect error, 5xx / 429, no
-``kv_transfer_params``, or ``disagg.transfer_timeout_s``) -> the next prefill backend of
+A prefill answer whose ``kv_transfer_params`` is null or absent (connectors that move
+KV through shared storage: vLLM's ExampleConnector, LMCache) sends the decode leg
+without params, as vLLM's proxy does.
+
+Failover: a prefill backend that fails (connect error, 5xx / 429, or
+``disagg.transfer_timeout_s``) -> the next prefill backend of
 the policy's ranking (at most ``retries + 1`` in all); none left -> the whole request,
 without params, to the decode backends first, then the rest of the model's pool
 (``fallback``). A decode leg that fails before its first byte -> the next decode backend
@@ -215,9 +219,11 @@ async def _prefill_on(
         elif status != 200:
             got = f"http_{status}"
         else:
-            params = _kv_params(answer)
-            ok = bool(params)  # none, or empty: the decode leg would have nothing to pull
-            got = params if params else "no_kv_transfer_params"
+            # null / absent params are an answer too: connectors that move KV through
+            # shared storage (vLLM's ExampleConnector, LMCache) return none, and the
+            # decode leg then goes without (as vLLM's proxy: it forwards only a non-empty
+            # ``kv_transfer_params``)
+            ok, got = True, _kv_params(answer) or {}
         return got
     finally:
         now = loop.time()
@@ -303,7 +309,7 @@ async def forward_split(
     if got is None:
         logger.warning("request_id=%s every prefill leg failed: whole request", info.request_id)
         return await _whole(ctx, request, path, body, raw, info, plan, plan.decode)
-    decode_body = {**body, "kv_transfer_params": got}
+    decode_body = {**body, "kv_transfer_params": got} if got else body
     # the transferred prompt tokens (all but the last, as vLLM's NixlConnector) count as
     # cached on the decode backend: its outstanding prefill work is the rest
     num_blocks = max(0, info.input_tokens - 1) // ctx.router.block_size
