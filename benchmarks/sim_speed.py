@@ -27,6 +27,12 @@ missing or stale and measures the compiled build; ``--both`` runs the pure and t
 compiled build, each in its own process, and prints the compiled/pure ratio. Every row
 and target line names the build it measured.
 
+``--profile N`` runs each configuration once more under cProfile and prints its N
+functions with the most own time (pure Python shows every function; in the compiled
+build the compiled ones are folded into their interpreted callers):
+``.venv/bin/python benchmarks/sim_speed.py --sizes 1024 --loads busy --repeat 1
+--workloads mooncake --num-requests 5000 --profile 25``.
+
 ``--day`` runs the issue's literal case instead: one simulated day (86,400 s) of the
 1,024-GPU cluster at the reference rate (6.2 M requests), the Azure conversation
 trace replayed back to back (``azure-conv:repeat=inf``), and prints the requests, the
@@ -37,9 +43,12 @@ the 10-minute target. It takes 10-20 minutes; add ``--compiled`` for the mypyc b
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import math
 import os
+import pstats
 import resource
 import statistics
 import subprocess
@@ -111,6 +120,17 @@ def run_repeated(
     return out
 
 
+def print_profile(
+    cluster: ClusterConfig, load: str, num_requests: int, policy: str, trace: str, top: int
+) -> None:
+    """One more ``run_one`` under cProfile: its ``top`` functions by own time."""
+    profile = cProfile.Profile()
+    profile.runcall(run_one, cluster, load, num_requests, policy, trace)
+    out = io.StringIO()
+    pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(top)
+    print("\n".join(line for line in out.getvalue().splitlines() if line.strip()))
+
+
 def run_day(policy: str, day_s: float = 86_400.0) -> int:
     """One simulated day at 1,024 GPUs and the reference rate (module docstring);
     ``day_s`` shortens it for a quick check (no verdict then)."""
@@ -154,7 +174,8 @@ def run_builds(args: argparse.Namespace) -> int:
         return 2
     forwarded = [f"--num-requests={args.num_requests}", f"--policy={args.policy}",
                  f"--sizes={args.sizes}", f"--loads={args.loads}",
-                 f"--repeat={args.repeat}", f"--workloads={args.workloads}"]  # fmt: skip
+                 f"--repeat={args.repeat}", f"--workloads={args.workloads}",
+                 f"--profile={args.profile}"]  # fmt: skip
     if args.day:
         forwarded += ["--day", f"--day-seconds={args.day_seconds}"]
     rows: dict[str, list[dict[str, float | str]]] = {}
@@ -203,6 +224,8 @@ def main() -> int:
     p.add_argument("--day", action="store_true", help="one literal simulated day (10-20 min)")
     p.add_argument("--day-seconds", type=float, default=86_400.0,
                    help="simulated seconds for --day (shorter: a quick check)")  # fmt: skip
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="also profile each configuration: its N costliest functions")  # fmt: skip
     p.add_argument("--json-out", type=Path, help=argparse.SUPPRESS)  # rows, for run_builds
     args = p.parse_args()
     if args.compiled or args.both:
@@ -224,6 +247,9 @@ def main() -> int:
                                  trace)  # fmt: skip
                 results[(trace, load, size)] = r
                 print(f"{trace:<10} " + row_text(load, r, build))
+                if args.profile > 0:
+                    print_profile(cluster, load, args.num_requests, args.policy, trace,
+                                  args.profile)  # fmt: skip
     for (trace, load, size), r in results.items():
         if size == 1024:
             target = TARGETS_PER_WALL_S[trace]

@@ -24,14 +24,17 @@ the request's hashes. Engine hash -> local hashes is kept per backend for remova
 
 ``IdentityHasher`` is for publishers whose engine hashes already are the gateway's
 local hashes (the simulator's engines), skipping the re-hash; ``match_depths`` and the
-bookkeeping are the same code.
+bookkeeping are the same code, except that such an index stores each block's engine
+hash as its own local hash (an ``int``, not a 1-tuple) in one loop per event: the
+simulator's long prompts store and remove hundreds of blocks per event.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from itertools import repeat
+from typing import Any, Protocol, cast
 
 from kiloserve.errors import ConfigError
 from kiloserve.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event
@@ -109,6 +112,8 @@ class IdentityHasher:
 
 @dataclass(slots=True)
 class IndexCounters:
+    """What the index did with the events it was given (``KvEventCache`` exports them)."""
+
     stored: int = 0
     removed: int = 0
     cleared: int = 0
@@ -133,7 +138,9 @@ class KvBlockIndex:
         self.hasher: LocalHasher = hasher or TokenHasher(block_size)
         self.max_blocks_per_backend = max_blocks_per_backend
         self._holders: dict[int, set[str]] = {}
-        self._blocks: dict[str, dict[EngineHash, tuple[int, ...]]] = {}
+        # per backend: engine hash -> its local hashes (an int: the hash itself, identity)
+        self._blocks: dict[str, dict[EngineHash, tuple[int, ...] | int]] = {}
+        self._identity = isinstance(self.hasher, IdentityHasher)
         self._engine_block_sizes: dict[str, int] = {}  # per backend, from its events
         self.counters = IndexCounters()
 
@@ -203,9 +210,16 @@ class KvBlockIndex:
             for subs in blocks.values():
                 self._release(backend_id, subs)
 
-    def _release(self, backend_id: str, subs: tuple[int, ...]) -> None:
+    def _release(self, backend_id: str, subs: tuple[int, ...] | int) -> None:
         """``backend_id`` no longer holds the local blocks ``subs``."""
         holders = self._holders
+        if isinstance(subs, int):
+            held = holders.get(subs)
+            if held is not None:
+                held.discard(backend_id)
+                if not held:
+                    del holders[subs]
+            return
         for sub in subs:
             held = holders.get(sub)
             if held is not None:
@@ -221,6 +235,9 @@ class KvBlockIndex:
         blocks = self._blocks.get(backend_id)
         if blocks is None:
             blocks = self._blocks[backend_id] = {}
+        if self._identity:
+            self._store_identity(backend_id, blocks, event)
+            return
         parent = event.parent_block_hash
         if parent is None:
             first_extra = event.extra_keys[0] if event.extra_keys else None
@@ -228,7 +245,7 @@ class KvBlockIndex:
         else:
             parent_subs = blocks.get(parent)
             if parent_subs is not None:
-                prev = parent_subs[-1]
+                prev = parent_subs if isinstance(parent_subs, int) else parent_subs[-1]
             elif self.hasher.needs_parent:
                 counters.orphans += 1
                 return
@@ -251,6 +268,31 @@ class KvBlockIndex:
         counters.stored += len(per_block)
         if len(blocks) > self.max_blocks_per_backend:
             counters.overflows += 1
+            self.clear_backend(backend_id)
+
+    def _store_identity(
+        self, backend_id: str, blocks: dict[EngineHash, tuple[int, ...] | int], event: BlockStored
+    ) -> None:
+        """``_store`` for an ``IdentityHasher`` index: each int engine hash is its own
+        local hash (no parent needed; non-int hashes are skipped, as the hasher does)."""
+        self._engine_block_sizes[backend_id] = event.block_size
+        hashes: tuple[int, ...]
+        if all(map(isinstance, event.block_hashes, repeat(int))):  # loops in C
+            hashes = cast("tuple[int, ...]", event.block_hashes)
+        else:
+            hashes = tuple(h for h in event.block_hashes if isinstance(h, int))
+        blocks.update(zip(hashes, hashes, strict=True))
+        holders = self._holders
+        get = holders.get
+        for block_hash in hashes:
+            held = get(block_hash)
+            if held is None:
+                holders[block_hash] = {backend_id}
+            else:
+                held.add(backend_id)
+        self.counters.stored += len(hashes)
+        if len(blocks) > self.max_blocks_per_backend:
+            self.counters.overflows += 1
             self.clear_backend(backend_id)
 
     def _remove(self, backend_id: str, event: BlockRemoved) -> None:

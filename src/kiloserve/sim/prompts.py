@@ -13,6 +13,10 @@ prompts (``kiloserve.workload.prompts``):
   new text (an optional ``system_tokens`` head is shared by every session).
 * anything else: unique text.
 
+A Mooncake prompt also carries its runs' keys (``Prompt.run_keys``): the simulated
+engine hashes the blocks of such a run from its key instead of its ids
+(``sim.sequence``: one hash per 512-token run instead of one per 16-token block).
+
 Ids of a run of text come from a blake2b hash of the run's key (``IdPool``), so equal
 keys give equal ids in every process and distinct keys collide with probability
 ~2^-32 per pair (the twin's real text shares a leading 16-token chunk between distinct
@@ -33,7 +37,9 @@ from kiloserve.workload.prompts import BLOCK_TOKENS
 from kiloserve.workload.sessions import parse_sessions
 from kiloserve.workload.synthetic import parse_prefix_groups
 
-__all__ = ["IdPool", "Prompt", "PromptIds", "run_key"]
+__all__ = ["RUN_TOKENS", "IdPool", "Prompt", "PromptIds", "run_key"]
+
+RUN_TOKENS = BLOCK_TOKENS  # tokens of a Mooncake hash id: the length of a keyed run
 
 POOL_SIZE = 1 << 18
 _POOL_BASE = 1 << 31  # above the 32-bit first ids' typical range; all ids < 2^32
@@ -56,11 +62,18 @@ class Prompt(NamedTuple):
     repeats this prompt); else every token from there on is text named by
     ``unique_key`` (a 64-bit hash of the unique run's name, low bits clear for the
     block index: ``SimSequence``) and by no other request.
+
+    ``run_keys`` (Mooncake prompts): the first ``run_tokens`` ids are runs of
+    ``RUN_TOKENS`` ids (the last one may be shorter), run ``r`` the text whose 64-bit
+    key hash is ``run_keys[r]`` (``IdPool.hashed_run_ids``), so equal keys mean equal
+    ids; ``SimSequence`` hashes those runs' full blocks from the keys.
     """
 
     token_ids: list[int]
     unique_from: int | None = None
     unique_key: int = 0
+    run_keys: tuple[int, ...] = ()
+    run_tokens: int = 0
 
 
 class IdPool:
@@ -140,14 +153,15 @@ class PromptIds:
         if spec.session_id is not None and self._kind == "sessions":
             return Prompt(self._session_ids(spec, num_tokens))
         ids: list[int] = []
+        run_keys: tuple[int, ...] = ()
         if spec.prefix_group is not None:
             if self._kind == "mooncake":
-                ids = self._mooncake_ids(spec, num_tokens)
+                ids, run_keys = self._mooncake_ids(spec, num_tokens)
             elif self._prefix_tokens and spec.prefix_group.startswith("group-"):
                 head = min(self._prefix_tokens, num_tokens)
                 ids = self.run_ids(f"g/{self._seed}/{spec.prefix_group}", head)
         if len(ids) >= num_tokens:
-            return Prompt(ids)
+            return Prompt(ids, None, 0, run_keys, len(ids) if run_keys else 0)
         key_hash = _key_hash(self._unique_name(spec.request_id))
         unique_from = len(ids)
         tail = self._pool.hashed_run_ids(key_hash, num_tokens - unique_from)
@@ -155,7 +169,8 @@ class PromptIds:
             ids += tail
         else:
             ids = tail
-        return Prompt(ids, unique_from, key_hash >> UNIQUE_INDEX_BITS << UNIQUE_INDEX_BITS)
+        unique_key = key_hash >> UNIQUE_INDEX_BITS << UNIQUE_INDEX_BITS
+        return Prompt(ids, unique_from, unique_key, run_keys, unique_from if run_keys else 0)
 
     def _unique_name(self, request_id: str) -> str:
         return f"u/{self._seed}/{request_id}"
@@ -163,18 +178,25 @@ class PromptIds:
     def _unique(self, name: str, num_tokens: int) -> list[int]:
         return self.run_ids(self._unique_name(name), num_tokens)
 
-    def _mooncake_ids(self, spec: RequestSpec, num_tokens: int) -> list[int]:
+    def _mooncake_ids(
+        self, spec: RequestSpec, num_tokens: int
+    ) -> tuple[list[int], tuple[int, ...]]:
+        """The ids of the prompt's hash-id runs, and the runs' key hashes."""
         index = _trailing_int(spec.request_id)
         hash_ids = self._hash_ids.get(index, ()) if index is not None else ()
         # A repeated trace's pass k > 0 (request id NAME-rK-INDEX) has blocks of its own.
         k = _pass_of(spec.request_id)
         ids: list[int] = []
+        keys: list[int] = []
+        run_ids = self._pool.hashed_run_ids
         for h in hash_ids:
             left = num_tokens - len(ids)
             if left <= 0:
                 break
-            ids += self.run_ids(f"m/{h}" if k == 0 else f"m/{h}/r{k}", min(BLOCK_TOKENS, left))
-        return ids
+            key = _key_hash(f"m/{h}" if k == 0 else f"m/{h}/r{k}")
+            keys.append(key)
+            ids += run_ids(key, min(RUN_TOKENS, left))
+        return ids, tuple(keys)
 
     def _session_ids(self, spec: RequestSpec, num_tokens: int) -> list[int]:
         session = spec.session_id or ""

@@ -10,6 +10,15 @@ meaning:
 * shared text: chain Python's tuple hash, ``hash((prev, block_tokens_tuple))``, which
   is deterministic for ints (``PYTHONHASHSEED`` only salts str and bytes) and ~10x
   faster;
+* runs of text named by a key (``run_keys``: a Mooncake prompt's 512-token hash-id
+  runs, ``sim.prompts``): a run's full blocks hash to ``base + j`` (block ``j`` of
+  the run), ``base = hash((prev, run key))`` with its low ``RUN_INDEX_BITS`` bits
+  clear and ``prev`` the hash of the block before the run (0 for the first). Equal
+  keys mean equal text, so two such blocks are equal exactly when their whole
+  prefixes are, as with the tuple hash (a clash has probability ~2^-54 per pair of
+  runs); a run costs one hash and one ``range`` instead of 32 tuples and hashes. The
+  block after a run (a partial run's last tokens, then output or other text) chains
+  the tuple hash from the run's last block hash;
 * text known to be this request's own (``unique_key`` set: every prompt token from
   ``unique_from`` on, and so every later block, belongs to this prompt alone; the
   engine keeps such blocks out of its hash index and never reads their hashes, so
@@ -31,16 +40,20 @@ structure.
 from __future__ import annotations
 
 from kiloserve.engine.sequence import Sequence
+from kiloserve.workload.prompts import BLOCK_TOKENS
 
-__all__ = ["UNIQUE_INDEX_BITS", "SimSequence"]
+__all__ = ["RUN_INDEX_BITS", "RUN_TOKENS", "UNIQUE_INDEX_BITS", "SimSequence"]
 
 UNIQUE_INDEX_BITS = 24  # block indices below 2^24 (268 M tokens at 16 per block)
+RUN_TOKENS = BLOCK_TOKENS  # a keyed run's length (a Mooncake hash id's 512 tokens)
+RUN_INDEX_BITS = 10  # block indices within a run: below 2^10 (block sizes >= 1)
 
 
 class SimSequence(Sequence):
-    """A ``Sequence`` with tuple-hash chains and index hashes for unique text."""
+    """A ``Sequence`` with tuple-hash chains, key hashes for keyed runs and index
+    hashes for unique text."""
 
-    __slots__ = ("unique_from", "unique_key")
+    __slots__ = ("run_keys", "run_tokens", "unique_from", "unique_key")
 
     def __init__(
         self,
@@ -52,9 +65,14 @@ class SimSequence(Sequence):
         block_size: int = 16,
         unique_key: int | None = None,
         unique_from: int = 0,
+        run_keys: tuple[int, ...] = (),
+        run_tokens: int = 0,
     ) -> None:
         self.unique_key = unique_key  # set: tokens from unique_from on are this prompt's own
         self.unique_from = unique_from
+        # the first run_tokens prompt tokens: runs of RUN_TOKENS named by run_keys
+        self.run_keys = run_keys if RUN_TOKENS % block_size == 0 else ()
+        self.run_tokens = run_tokens
         private = None if unique_key is None else unique_from // block_size
         super().__init__(
             seq_id,
@@ -84,6 +102,11 @@ class SimSequence(Sequence):
         begin, end = len(self.block_hashes), self.num_tokens // size
         if end <= begin:
             return  # no new full block (most calls, from fused decode runs)
+        if begin == 0 and self.run_keys:
+            self._hash_runs()  # within the prompt and before its unique text
+            begin = len(self.block_hashes)
+            if end <= begin:
+                return
         key = self.unique_key
         if key is None:
             self._hash_tokens(begin, end)
@@ -106,6 +129,24 @@ class SimSequence(Sequence):
         end = min(num_blocks, self.num_prompt_tokens // size)
         private = tuple(range(key + self.unique_from // size, key + end))  # built in C
         return tuple(shared) + private if shared else private
+
+    def _hash_runs(self) -> None:
+        """The keyed runs' full blocks: ``base + j`` per run (module docstring)."""
+        size = self.block_size
+        per_run = RUN_TOKENS // size
+        hashes = self.block_hashes
+        prev = 0
+        left = min(self.run_tokens, self.num_prompt_tokens)
+        for key in self.run_keys:
+            num_blocks = min(per_run, left // size)
+            if num_blocks <= 0:
+                break
+            base = hash((prev, key)) >> RUN_INDEX_BITS << RUN_INDEX_BITS
+            hashes += range(base, base + num_blocks)
+            prev = base + num_blocks - 1
+            if num_blocks < per_run:
+                break  # a partial run ends the keyed part
+            left -= RUN_TOKENS
 
     def _hash_tokens(self, begin_block: int, end_block: int) -> None:
         """Chain the tuple hash over blocks ``begin_block .. end_block - 1``."""

@@ -1,0 +1,99 @@
+"""Keyed-run block hashes (``SimSequence`` with ``run_keys``) keep the tuple hash's
+equality structure: two blocks hash equal exactly when their whole prefixes are equal."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kiloserve.sim.prompts import Prompt, PromptIds
+from kiloserve.sim.sequence import RUN_TOKENS, SimSequence
+from kiloserve.workload import RequestSpec, load_workload
+from kiloserve.workload.prompts import BLOCK_TOKENS
+from kiloserve.workload.traces import PACKAGED_TRACES_DIR
+
+TRACES = PACKAGED_TRACES_DIR
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _sequence(prompt: Prompt, *, keyed: bool, num_output: int) -> SimSequence:
+    seq = SimSequence(
+        "s",
+        prompt.token_ids,
+        num_output + 1,
+        unique_key=None if prompt.unique_from is None else prompt.unique_key,
+        unique_from=prompt.unique_from or 0,
+        run_keys=prompt.run_keys if keyed else (),
+        run_tokens=prompt.run_tokens if keyed else 0,
+    )
+    seq.append_output_tokens(num_output)  # output blocks chain from the prompt's
+    return seq
+
+
+def test_runs_are_the_trace_blocks() -> None:
+    assert RUN_TOKENS == BLOCK_TOKENS == 512
+
+
+@pytest.mark.skipif(not TRACES.is_dir(), reason="shipped traces not present")
+def test_keyed_run_hashes_match_exactly_where_token_hashes_match() -> None:
+    workload = load_workload("mooncake", num_requests=400, with_prompts=False, traces_dir=TRACES)
+    prompts = PromptIds(workload, TRACES)
+    old_to_new: dict[int, int] = {}
+    new_to_old: dict[int, int] = {}
+    num_keyed = num_shared = 0
+    for i, spec in enumerate(workload):
+        prompt = prompts.prompt(spec)
+        num_keyed += bool(prompt.run_keys)
+        num_output = 40 + i % 7  # the last prompt block fills with output tokens
+        old = _sequence(prompt, keyed=False, num_output=num_output)
+        new = _sequence(prompt, keyed=True, num_output=num_output)
+        assert len(old.block_hashes) == len(new.block_hashes) > 0
+        assert old.prefix_hashes(10_000) != new.prefix_hashes(10_000)  # other values...
+        for a, b in zip(old.block_hashes, new.block_hashes, strict=True):
+            num_shared += a in old_to_new
+            assert old_to_new.setdefault(a, b) == b  # ...but the same equalities
+            assert new_to_old.setdefault(b, a) == a
+    assert num_keyed == 400
+    assert num_shared > 10_000  # the trace's prompts share many blocks
+
+
+@pytest.mark.parametrize("num_tokens", [512 * 3, 512 * 2 + 300, 512 * 2 + 16, 40])
+def test_partial_runs_and_prefixes_share_blocks_with_full_runs(num_tokens: int) -> None:
+    keys = (11, 22, 33)
+    ids = [t for k in keys for t in range(k * 10_000, k * 10_000 + 512)]
+    full = SimSequence("a", ids, 4, run_keys=keys, run_tokens=len(ids))
+    part = SimSequence("b", ids[:num_tokens], 4, run_keys=keys, run_tokens=num_tokens)
+    assert len(part.block_hashes) == num_tokens // 16
+    assert part.block_hashes == full.block_hashes[: num_tokens // 16]
+    other = SimSequence("c", ids, 4, run_keys=(11, 99, 33), run_tokens=len(ids))
+    assert other.block_hashes[:32] == full.block_hashes[:32]
+    assert not set(other.block_hashes[32:]) & set(full.block_hashes)
+
+
+@pytest.mark.skipif(not TRACES.is_dir(), reason="shipped traces not present")
+def test_a_mooncake_run_is_the_same_with_and_without_keyed_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """End to end: the same summary (prefix hits, routing, latencies) either way."""
+    from kiloserve.launch.config import load_cluster_config
+    from kiloserve.sim import simulate
+    from kiloserve.sim.sweep import without_wall_clock
+
+    cluster = load_cluster_config(ROOT / "examples" / "cluster.yaml")
+
+    def run() -> dict[str, object]:
+        workload = load_workload("mooncake", rate=8, num_requests=150, with_prompts=False,
+                                 traces_dir=TRACES)  # fmt: skip
+        summary = simulate(cluster, workload, "default", traces_dir=TRACES).summary
+        assert summary["prefix_cache"]["hits_tokens"] > 0
+        return without_wall_clock(summary)
+
+    keyed = run()
+    mooncake_ids = PromptIds._mooncake_ids
+
+    def unkeyed(self: PromptIds, spec: RequestSpec, n: int) -> tuple[list[int], tuple[int, ...]]:
+        return mooncake_ids(self, spec, n)[0], ()
+
+    monkeypatch.setattr(PromptIds, "_mooncake_ids", unkeyed)
+    assert run() == keyed
