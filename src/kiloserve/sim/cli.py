@@ -1,10 +1,14 @@
-"""``kiloserve sim``: simulate a cluster and its gateway under several policies.
+"""``kiloserve sim``: simulate a cluster and its gateway under several policies and rates.
 
     kiloserve sim -c examples/cluster-1024.yaml --workload azure-conv --rate 400 \\
         --policy round_robin --policy default --out /tmp/sim
 
 writes ``DIR/<policy>/`` (summary.json, summary.md, PNGs) per policy and
 ``DIR/comparison.md`` when there are several (ratios against the first policy).
+Several ``--rate`` flags run every policy at every rate: ``DIR/rate-<R>/<policy>/``
+per run, ``DIR/rate-<R>/comparison.md`` per rate when there are several policies, and
+``DIR/comparison.md`` over all runs (labels ``rate-<R>/<policy>``; ratios against the
+first rate's first policy).
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
     a("-c", "--config", required=True, help="cluster YAML (e.g. examples/cluster-1024.yaml)")
     a("--workload", required=True, help="workload spec (see docs/workloads.md)")
-    a("--rate", type=float, help="requests/s (synthetic arrivals; rescales a trace)")
+    a("--rate", type=float, action="append", help="requests/s (synthetic arrivals; rescales a "
+      "trace); repeatable: every policy runs at every rate")  # fmt: skip
     a("--burstiness", type=float, default=1.0, help="gamma shape of synthetic arrival gaps")
     a("--duration", type=float, help="seconds of arrivals")
     a("--num-requests", type=int, help="number of requests")
@@ -60,7 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 class _PolicyRun(NamedTuple):
-    """One policy's simulation, as a process pool or Ray task gets it (picklable)."""
+    """One (rate, policy) simulation, as a process pool or Ray task gets it (picklable)."""
 
     args: argparse.Namespace
     cluster: Any
@@ -69,6 +74,8 @@ class _PolicyRun(NamedTuple):
     slo: Slo | None
     faults: list[FaultEvent]
     command: list[str]
+    rate: float | None = None
+    label: str = ""  # the run's folder under --out: the policy, or rate-<R>/<policy>
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,25 +83,57 @@ def run(args: argparse.Namespace) -> int:
     policies: list[str] = args.policy or ["default"]
     if len(set(policies)) != len(policies):
         raise ConfigError(f"--policy given twice: {policies}")
+    rates = _rates(args.rate)
     params = _policy_params(args.policy_params)
     slo = parse_slo(args.slo) if args.slo else None
     faults = _faults(args)
     console = Console(stderr=True)
     command = ["kiloserve", "sim", *sys.argv[2:]]
-    runs = [_PolicyRun(args, cluster, p, params, slo, faults, command) for p in policies]
+    runs = [
+        _PolicyRun(args, cluster, p, params, slo, faults, command, rate, label)
+        for rate, folder in rates.items()
+        for p in policies
+        for label in [f"{folder}/{p}" if folder else p]
+    ]
     summaries: dict[str, dict[str, Any]] = {}
     records = {}
-    for policy, result in zip(policies, _run_policies(runs, console), strict=True):
-        write_sim_report(args.out / policy, result, plot=not args.no_plots)
-        summaries[policy] = result.summary
-        records[policy] = result.records
-        _print_line(console, policy, result)
-    if len(policies) > 1:
-        title = f"simulated policies on {cluster.name}"
-        kept = records if args.records else None
+    for one, result in zip(runs, _run_policies(runs, console), strict=True):
+        write_sim_report(args.out / one.label, result, plot=not args.no_plots)
+        summaries[one.label] = result.summary
+        records[one.label] = result.records
+        _print_line(console, one.label, result)
+    kept = records if args.records else None
+    if len(rates) > 1 and len(policies) > 1:  # the policies side by side at each rate
+        for folder in rates.values():
+            at = {
+                k[len(folder) + 1 :]: v for k, v in summaries.items() if k.startswith(folder + "/")
+            }
+            kept_at = None if kept is None else {p: kept[f"{folder}/{p}"] for p in at}
+            title = f"simulated policies on {cluster.name} at {folder}"
+            write_comparison(args.out / folder, at, records=kept_at, title=title,
+                             plot=not args.no_plots)  # fmt: skip
+    if len(runs) > 1:
+        what = "policies" if len(rates) == 1 else "rates and policies"
+        title = f"simulated {what} on {cluster.name}"
         write_comparison(args.out, summaries, records=kept, title=title, plot=not args.no_plots)
     print(args.out)
     return 0
+
+
+def _rates(given: list[float] | None) -> dict[float | None, str]:
+    """Each ``--rate`` -> its folder under ``--out`` (``rate-<R>``; ``""`` for a single
+    rate or none, whose runs write to ``DIR/<policy>`` as ever)."""
+    if not given:
+        return {None: ""}
+    for rate in given:
+        if not rate > 0 or rate == float("inf"):
+            raise ConfigError(f"--rate must be a positive number of requests/s, got {rate}")
+    if len(given) == 1:
+        return {given[0]: ""}
+    folders: dict[float | None, str] = {rate: f"rate-{rate:g}" for rate in given}
+    if len(folders) != len(given) or len(set(folders.values())) != len(given):
+        raise ConfigError(f"--rate given twice: {given}")
+    return folders
 
 
 def _run_policies(runs: list[_PolicyRun], console: Console) -> list[SimResult]:
@@ -102,20 +141,23 @@ def _run_policies(runs: list[_PolicyRun], console: Console) -> list[SimResult]:
     by side on the process pool or Ray (``sim.sweep``)."""
     args = runs[0].args
     if args.ray is None and (args.jobs == 1 or len(runs) == 1):
-        workload = _workload(args)
+        workloads: dict[float | None, Workload] = {}
         results = []
         for run in runs:
-            with _progress(console, run.policy, workload.num_requests) as on_progress:
+            if run.rate not in workloads:
+                workloads = {run.rate: _workload(args, run.rate)}  # runs are grouped by rate
+            workload = workloads[run.rate]
+            with _progress(console, run.label, workload.num_requests) as on_progress:
                 results.append(_simulate(run, workload, on_progress))
         return results
     fields = run_all(_simulate_in_worker, runs, jobs=args.jobs, ray_address=args.ray,
-                     label="sim policies", console=console)  # fmt: skip
+                     label="sim runs", console=console)  # fmt: skip
     return [SimResult(*f) for f in fields]
 
 
 def _simulate_in_worker(run: _PolicyRun) -> tuple[Any, ...]:
     """In a worker; its fields travel back (``SimResult`` may be a compiled class)."""
-    result = _simulate(run, _workload(run.args), None)
+    result = _simulate(run, _workload(run.args, run.rate), None)
     return result.summary, result.routing, result.records, result.timeseries
 
 
@@ -141,13 +183,13 @@ def _simulate(
     )
 
 
-def _workload(args: argparse.Namespace) -> Workload:
+def _workload(args: argparse.Namespace, rate: float | None) -> Workload:
     return load_workload(
         args.workload,
         seed=args.seed,
         num_requests=args.num_requests,
         duration_s=args.duration,
-        rate=args.rate,
+        rate=rate,
         burstiness=args.burstiness,
         traces_dir=args.traces_dir,
         with_prompts=False,
@@ -174,15 +216,15 @@ def _faults(args: argparse.Namespace) -> list[FaultEvent]:
 
 
 @contextmanager
-def _progress(console: Console, policy: str, total: int | None) -> Iterator[Callable[[int], None]]:
+def _progress(console: Console, label: str, total: int | None) -> Iterator[Callable[[int], None]]:
     columns = (
-        TextColumn(f"sim {policy}"),
+        TextColumn(f"sim {label}"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
     )
     with Progress(*columns, console=console, transient=True) as bar:
-        task = bar.add_task(policy, total=total)
+        task = bar.add_task(label, total=total)
 
         def update(num_done: int) -> None:
             bar.update(task, completed=num_done)
@@ -190,11 +232,11 @@ def _progress(console: Console, policy: str, total: int | None) -> Iterator[Call
         yield update
 
 
-def _print_line(console: Console, policy: str, result: SimResult) -> None:
+def _print_line(console: Console, label: str, result: SimResult) -> None:
     s = result.summary
     ttft, e2e = s["ttft_ms"], s["e2e_ms"]
     console.print(
-        f"{policy}: {s['requests_ok']} ok, {s['requests_failed']} failed, "
+        f"{label}: {s['requests_ok']} ok, {s['requests_failed']} failed, "
         f"{s['request_throughput']:.1f} req/s, TTFT p95 {_ms(ttft['p95'])}, "
         f"E2E p95 {_ms(e2e['p95'])}, P95 std across backends "
         f"{_ms(s['p95_std_across_backends_ms'])}; {s['simulated_requests']} requests "
