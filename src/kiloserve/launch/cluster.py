@@ -80,6 +80,7 @@ class BackendInfo:
     cost_per_hour: float
     weight: float
     engine: str = "twin"
+    role: str = "both"  # disaggregated prefill/decode: prefill | decode | both
     kv_events_endpoint: str | None = None  # where the gateway subscribes (connects)
     kv_events_replay_endpoint: str | None = None
 
@@ -106,6 +107,7 @@ def describe_backend(item: ExpandedBackend, url: str) -> BackendInfo:
         version=spec.version,
         cost_per_hour=cost,
         weight=spec.weight,
+        role=spec.role,
     )
 
 
@@ -135,6 +137,7 @@ def describe_real_backend(item: ExpandedBackend, url: str) -> BackendInfo:
         cost_per_hour=spec.cost_per_hour or 0.0,
         weight=spec.weight,
         engine=spec.engine,
+        role=spec.role,
     )
 
 
@@ -157,6 +160,7 @@ def gateway_config(cfg: ClusterConfig, backends: list[BackendInfo], port: int) -
                 "weight": b.weight,
                 "engine": METRIC_DIALECTS[b.engine],
                 "kv_capacity_tokens": b.kv_capacity_tokens or None,
+                **_role_key(b),
                 **_kv_events_keys(b),
                 **_node_metrics_key(b),
             }
@@ -165,6 +169,12 @@ def gateway_config(cfg: ClusterConfig, backends: list[BackendInfo], port: int) -
     }
     out.update(gw.options)
     return out
+
+
+def _role_key(backend: BackendInfo) -> dict[str, str]:
+    """The gateway's ``role`` key for a prefill or decode backend (``both``, the
+    gateway's default, is left out: such a cluster's gateway YAML is unchanged)."""
+    return {} if backend.role == "both" else {"role": backend.role}
 
 
 def _kv_events_keys(backend: BackendInfo) -> dict[str, str]:

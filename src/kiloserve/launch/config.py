@@ -24,12 +24,30 @@ Example (see ``examples/cluster.yaml``)::
         env: {CUDA_VISIBLE_DEVICES: "0"}
         extra_args: [--gpu-memory-utilization, "0.9"]
         kv_events_endpoint: auto        # KV-cache events (twin and vllm; below)
+      - name: qwen-prefill              # disaggregated prefill/decode (P/D): a model
+        gpu: H100                       # with a prefill line needs a decode line too
+        model: qwen3-14b
+        role: prefill                   # prefill | decode | both (default)
+        kv_cpu_gib: 64                  # CPU KV tier per engine (twins), GiB
+        kv_remote_gib: 0                # remote KV tier per engine (twins), GiB
+      - name: qwen-decode
+        gpu: H100
+        model: qwen3-14b
+        role: decode
+        kv_link: network                # the link it pulls KV over: nvlink | network | pcie
 
 ``kv_events_endpoint`` / ``kv_events_replay_endpoint``: the backend publishes vLLM's
 KV-cache events and the gateway subscribes. ``auto`` picks the addresses per replica
 (twins: a free ``tcp://HOST:PORT`` each; vLLM: ``ipc://`` sockets in the replica's
 scratch folder, since vLLM binds only wildcard and ipc endpoints); an explicit
 ``tcp://host:port`` or ``ipc://path`` is for a line with ``count: 1`` (vLLM: ipc only).
+
+``role`` / ``kv_cpu_gib`` / ``kv_remote_gib`` / ``kv_link``: disaggregated prefill/decode
+and KV tiers (docs/disaggregation.md). ``role`` is for twins and vLLM; a served model with
+a ``prefill`` or ``decode`` line needs both (a ``both`` line may serve it too: short
+prompts run there). The tier sizes and the link are the twin's model (``kiloserve engine
+--kv-cpu-gib/--kv-remote-gib/--kv-link``); a real engine configures its own connector
+through ``extra_args``.
 """
 
 from __future__ import annotations
@@ -59,12 +77,16 @@ __all__ = [
     "ExpandedBackend",
     "FaultSpec",
     "GatewaySpec",
+    "KvLinkName",
+    "Role",
     "load_cluster_config",
     "parse_cluster_config",
 ]
 
 
 EngineName = Literal["twin", "vllm", "sglang", "llama.cpp"]
+Role = Literal["prefill", "decode", "both"]
+KvLinkName = Literal["nvlink", "network", "pcie"]
 AUTO = "auto"  # kv_events_endpoint: the launcher picks an address per replica
 KV_EVENTS_KEYS = ("kv_events_endpoint", "kv_events_replay_endpoint")
 
@@ -117,6 +139,10 @@ class BackendSpec(_Strict):
     extra_args: list[str] = Field(default_factory=list)
     kv_events_endpoint: str | None = None  # "auto", tcp://host:port or ipc://path
     kv_events_replay_endpoint: str | None = None
+    role: Role = "both"  # disaggregated prefill/decode (twins and vLLM)
+    kv_cpu_gib: float = Field(default=0.0, ge=0)  # CPU KV tier per engine (twins)
+    kv_remote_gib: float = Field(default=0.0, ge=0)  # remote KV tier per engine (twins)
+    kv_link: KvLinkName = "network"  # the link a decode engine pulls KV over (twins)
 
     @model_validator(mode="after")
     def _engine_keys(self) -> BackendSpec:
@@ -145,6 +171,24 @@ class BackendSpec(_Strict):
                 raise ValueError(f"{key}: only twins and vLLM publish KV events")
             if value != AUTO:
                 _check_explicit_endpoint(key, value, self)
+        return self
+
+    @model_validator(mode="after")
+    def _disagg_keys(self) -> BackendSpec:
+        if self.role != "both" and self.engine not in ("twin", "vllm"):
+            raise ValueError(
+                f"role: {self.role}: only twins and vLLM run prefill/decode roles "
+                f"(engine: {self.engine} serves whole requests; use role: both)"
+            )
+        if self.engine != "twin":
+            used = [k for k in ("kv_cpu_gib", "kv_remote_gib") if getattr(self, k)]
+            if self.kv_link != "network":
+                used.append("kv_link")
+            if used:
+                raise ValueError(
+                    f"{', '.join(used)}: the twin's KV tier/link model (engine: twin); "
+                    "configure a real engine's KV connector with extra_args"
+                )
         return self
 
 
@@ -194,7 +238,13 @@ class ClusterConfig(_Strict):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"backend names must be unique; repeated: {', '.join(dupes)}")
+        _check_pd_pools(value)
         return value
+
+    @property
+    def has_pd_pools(self) -> bool:
+        """Whether some backend line has a prefill or decode role."""
+        return any(spec.role != "both" for spec in self.backends)
 
     def expanded(self) -> list[ExpandedBackend]:
         """One entry per process: ``count: 2`` of ``a`` gives ``a-0`` and ``a-1``."""
@@ -204,6 +254,21 @@ class ClusterConfig(_Strict):
                 name = spec.name if spec.count == 1 else f"{spec.name}-{i}"
                 out.append(ExpandedBackend(name=name, spec=spec))
         return out
+
+
+def _check_pd_pools(specs: list[BackendSpec]) -> None:
+    """A served model with a prefill or decode line needs both kinds of line."""
+    roles: dict[str, set[str]] = {}
+    for spec in specs:
+        roles.setdefault(spec.served_model_name or spec.model, set()).add(spec.role)
+    for model, seen in roles.items():
+        missing = [r for r in ("prefill", "decode") if r not in seen]
+        if len(missing) == 1:
+            have = "prefill" if missing[0] == "decode" else "decode"
+            raise ValueError(
+                f"model {model!r} has a role: {have} backend but no role: {missing[0]} "
+                f"backend; a disaggregated (P/D) model needs both (or use role: both)"
+            )
 
 
 class ExpandedBackend(_Strict):

@@ -33,6 +33,18 @@ and ``kv/replay.sock``). A twin gets ``--kv-events-endpoint`` and
 "replay_endpoint": ...}'`` and binds its ipc endpoints. The gateway connects to the
 same addresses (``LocalCluster`` writes them into its config).
 
+Disaggregated prefill/decode and KV tiers (``role``, ``kv_cpu_gib``, ``kv_remote_gib``,
+``kv_link`` in the YAML): a twin gets ``--role``, ``--kv-cpu-gib``, ``--kv-remote-gib``
+and ``--kv-link`` for each value that is not the default (so a cluster without them
+starts exactly the command lines it did before). A vLLM line with a ``prefill`` or
+``decode`` role gets vLLM's NIXL connector, ``--kv-transfer-config
+'{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}'`` (``kv_consumer`` for
+decode; vLLM 0.32 deprecates ``kv_both`` with NIXL), unless its ``extra_args`` already
+give a ``--kv-transfer-config``, and its own NIXL side channel:
+``VLLM_NIXL_SIDE_CHANNEL_HOST`` (the engine's host) and ``VLLM_NIXL_SIDE_CHANNEL_PORT`` (a
+free port; vLLM's default 5600 would collide between two engines on one host), unless
+its ``env`` sets them.
+
 Agent hook: ``kiloserve up`` does not start the node agent yet (``kiloserve agent
 --engine-url URL --etcd HOST:PORT --model M --name N --gpu G``: etcd registration
 under a lease, node health). It belongs beside each engine as one more
@@ -45,6 +57,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -68,7 +81,9 @@ __all__ = [
     "scratch_dir",
     "sglang_launch",
     "twin_argv",
+    "twin_disagg_flags",
     "vllm_kv_events_config",
+    "vllm_kv_transfer_config",
     "vllm_launch",
 ]
 
@@ -191,7 +206,26 @@ def twin_argv(
                 "--kv-events-replay-endpoint": kv_events.replay_endpoint,
             }
         )
-    return argv + list(spec.extra_args)
+    return argv + twin_disagg_flags(spec) + list(spec.extra_args)
+
+
+def twin_disagg_flags(spec: BackendSpec) -> list[str]:
+    """``--role`` / ``--kv-cpu-gib`` / ``--kv-remote-gib`` / ``--kv-link`` for a twin,
+    each only when it is not the default."""
+    defaults = BackendSpec.model_fields
+    flags: dict[str, object] = {}
+    for key in ("role", "kv_cpu_gib", "kv_remote_gib", "kv_link"):
+        value = getattr(spec, key)
+        if value != defaults[key].default:
+            flags["--" + key.replace("_", "-")] = _flag_value(value)
+    return _optional_flags(flags)
+
+
+def _flag_value(value: object) -> object:
+    """``64.0`` -> ``64`` (a whole GiB prints as an integer), anything else as it is."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
 
 
 def _optional_flags(flags: dict[str, object]) -> list[str]:
@@ -247,6 +281,21 @@ def vllm_kv_events_config(kv_events: KvEventsEndpoints) -> str:
     return json.dumps(config)
 
 
+def vllm_kv_transfer_config(role: str) -> str:
+    """vLLM's ``--kv-transfer-config`` JSON for a P/D role (NIXL: the prefill side
+    produces KV, the decode side consumes it)."""
+    kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
+    return json.dumps({"kv_connector": "NixlConnector", "kv_role": kv_role})
+
+
+def _nixl_side_channel(host: str) -> dict[str, str]:
+    """A NIXL side channel of its own (vLLM's default port 5600 is one per host)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        port = int(s.getsockname()[1])
+    return {"VLLM_NIXL_SIDE_CHANNEL_HOST": host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}
+
+
 def vllm_launch(
     item: ExpandedBackend,
     host: str,
@@ -270,7 +319,12 @@ def vllm_launch(
     )
     if kv_events is not None:
         argv += ["--kv-events-config", vllm_kv_events_config(kv_events)]
-    env = _scratch_env(scratch) | dict(spec.env)
+    has_own = any(a.startswith("--kv-transfer-config") for a in spec.extra_args)
+    env = _scratch_env(scratch)
+    if spec.role != "both" and not has_own:
+        argv += ["--kv-transfer-config", vllm_kv_transfer_config(spec.role)]
+        env |= _nixl_side_channel(host)
+    env |= dict(spec.env)
     return EngineLaunch(argv + list(spec.extra_args), env, "/health", "vllm", REAL_START_TIMEOUT_S)
 
 

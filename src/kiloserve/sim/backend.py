@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from kiloserve.engine.config import EngineConfig
 from kiloserve.engine.core import EngineCore, StepResult, StepTimer
+from kiloserve.engine.transfer import KvLink
 from kiloserve.sim.kvevents import SimKvEvents, SimKvSink
 from kiloserve.sim.request import SimRequest
 
@@ -34,6 +35,7 @@ class BackendModel:
     api_overhead_s: float
     kv_capacity_tokens: int
     base_slowdown: float = 1.0
+    kv_link: KvLink | None = None  # the link a decode engine pulls KV over (sim.disagg)
 
 
 class SimBackend:
@@ -108,6 +110,14 @@ class SimBackend:
         self._touch()
         self.requests[seq.seq_id] = request
         self.awaiting_first_token[seq.seq_id] = request
+
+    def release(self, seq_id: str) -> bool:
+        """Free the KV blocks a finished prefill leg held (False: none held, or dead)."""
+        core = self.core
+        if core is None or not core.release(seq_id):
+            return False
+        self._touch()
+        return True
 
     # -- stepping --------------------------------------------------------------------
     def start(self, now_s: float) -> float | None:

@@ -4,7 +4,8 @@ simulated gateway's view of them (the gateway's own ``BackendTable``).
 Each backend gets the engine config the twin builds (``engine.twin.build_twin``: the
 memory ledger at ``gpu_memory_utilization`` 0.92, vLLM's ``max_num_seqs`` /
 ``max_num_batched_tokens`` for the GPU unless the YAML sets them, the model's
-``max_model_len``), the roofline ``StepTimeModel`` and its per-request API overhead.
+``max_model_len``, the line's ``role`` and KV tiers), the roofline ``StepTimeModel``,
+its per-request API overhead and the KV link a decode engine pulls over (``kv_link``).
 The gateway table is ``kiloserve.routing.table.BackendTable`` fed with the same
 gateway YAML ``kiloserve up`` writes, so the live counters, EWMAs, staleness and health
 rules are the gateway's own code.
@@ -19,6 +20,7 @@ from typing import Any
 from kiloserve.catalog import get_gpu, get_model
 from kiloserve.engine.setup import engine_config_for
 from kiloserve.engine.timing import StepTimeModel
+from kiloserve.engine.transfer import link_for
 from kiloserve.errors import ConfigError
 from kiloserve.gateway.config import GatewayConfig, parse_gateway_config
 from kiloserve.launch.cluster import BackendInfo, describe_backend, gateway_config
@@ -59,6 +61,9 @@ def backend_model(spec: BackendSpec) -> BackendModel:
         max_model_len=spec.max_model_len,
         max_num_seqs=spec.max_num_seqs,
         max_num_batched_tokens=spec.max_num_batched_tokens,
+        kv_cpu_gib=spec.kv_cpu_gib,
+        kv_remote_gib=spec.kv_remote_gib,
+        role=spec.role,
     )
     timer = StepTimeModel(gpu, model, spec.tp, spec.quant)
     slowdown = 1.0
@@ -66,7 +71,12 @@ def backend_model(spec: BackendSpec) -> BackendModel:
         slowdown = spec.faults.slowdown or 1.0
         _warn_unmodelled(spec)
     return BackendModel(
-        engine_config, timer, timer.per_request_api_overhead_s, ledger.kv_capacity_tokens, slowdown
+        engine_config,
+        timer,
+        timer.per_request_api_overhead_s,
+        ledger.kv_capacity_tokens,
+        slowdown,
+        link_for(gpu, spec.kv_link),
     )
 
 

@@ -11,6 +11,10 @@ Flow of one request (d = network delay, o = the engine's API overhead)::
     StepDone(...)         backend: deliver tokens -> FirstToken(+d), Done(+d)
     FirstToken / Done     gateway: counters, EWMAs, policy hooks, metrics
     AttemptFailed         gateway: retry on the next ranked backend, or fail
+
+A split request (disaggregated prefill/decode) runs a prefill leg and a decode leg,
+each through EngineAdd .. RequestDone, and frees the prefill backend's held KV blocks
+with a ``KvRelease`` (see ``sim.disagg``).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ __all__ = [
     "Failure",
     "Fault",
     "FirstToken",
+    "KvRelease",
     "RequestDone",
     "Scrape",
     "StepDone",
@@ -121,6 +126,20 @@ class AttemptFailed(RequestDone):
     """An attempt failed before its first byte (retryable or not)."""
 
     __slots__ = ()
+
+
+class KvRelease(Event):
+    """A prefill backend frees the KV blocks a finished prefill leg held."""
+
+    __slots__ = ("backend_index", "seq_id")
+
+    def __init__(self, time_s: float, backend_index: int, seq_id: str) -> None:
+        self.time_s = time_s
+        self.backend_index = backend_index
+        self.seq_id = seq_id
+
+    def handle(self, sim: Simulator) -> list[Event]:
+        return sim.on_kv_release(self.backend_index, self.seq_id, self.time_s)
 
 
 class Scrape(Event):

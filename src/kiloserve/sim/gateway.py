@@ -21,13 +21,15 @@ from collections.abc import Mapping, Sequence
 from kiloserve.errors import ConfigError
 from kiloserve.gateway.config import GatewayConfig
 from kiloserve.policies.base import BackendState, Policy, RequestInfo
+from kiloserve.routing.disagg import Role, rank_decode, role_pools, should_split
 from kiloserve.routing.router import Router
 from kiloserve.routing.table import BackendRecord, BackendTable
 from kiloserve.sim.backend import SimBackend
 from kiloserve.sim.cluster import scrape_into
 from kiloserve.sim.demotion import SimDemotion
+from kiloserve.sim.disagg import SimDisagg
 from kiloserve.sim.kvevents import SimKvEvents
-from kiloserve.sim.request import SimRequest
+from kiloserve.sim.request import DECODE_LEG, PREFILL_LEG, WHOLE, SimRequest
 from kiloserve.sim.sequence import SimSequence
 from kiloserve.workload import RequestSpec
 
@@ -66,8 +68,10 @@ class SimGateway:
         *,
         seed: int,
         kv_events: SimKvEvents | None = None,
+        disagg: SimDisagg | None = None,
     ) -> None:
         self.cfg = cfg
+        self.disagg = disagg  # the split counts of a cluster with P/D pools (sim.disagg)
         self.table = BackendTable(cfg)
         self.kv_events = kv_events  # the engines' KV events, delivered before each decision
         if kv_events is not None:
@@ -87,6 +91,8 @@ class SimGateway:
         self.last_cached_blocks: Mapping[str, int] | None = None
         # the gateway's slow-node demotion (sim.demotion), on when the config has it on
         self.demotion = SimDemotion(cfg.demotion, self.table) if cfg.demotion.enabled else None
+        # prefill/decode-role backends exist: requests may split (routing/disagg.py)
+        self.has_roles = self.table.has_roles
 
     def pools_changed(self) -> None:
         """A backend's models changed (a LoRA adapter placed: sim.lora)."""
@@ -105,28 +111,87 @@ class SimGateway:
             tenant=spec.user,
         )
 
-    def decide(self, info: RequestInfo, now_s: float) -> tuple[int, ...]:
-        """Backend indices to try, best first (at most ``retries + 1``)."""
-        table = self.table
-        if self.kv_events is not None:
-            self.kv_events.deliver()
+    def candidates(self, now_s: float) -> dict[str, tuple[BackendState, ...]]:
+        """Each model's routable backends (rebuilt after a health change)."""
         if self._candidates is None:
+            table = self.table
             snapshot = table.snapshot(now_s)
             self._candidates = {
                 model: tuple(b for b in snapshot.pool(model) if b.is_routable and b.weight > 0.0)
                 for model in table.served_models()
             }
+        return self._candidates
+
+    def decide(self, info: RequestInfo, now_s: float, role: Role | None = None) -> tuple[int, ...]:
+        """Backend indices to try, best first (at most ``retries + 1``); ``role``: among
+        that role's backends only (a split request's prefill leg)."""
+        if self.kv_events is not None:
+            self.kv_events.deliver()
         decision = self.router.decide(
-            info, now_s, eligible_by_model=self._candidates, limit=self.cfg.retries + 1
-        )  # the proxy tries at most retries + 1 backends
+            info,
+            now_s,
+            eligible_by_model=self.candidates(now_s),
+            limit=self.cfg.retries + 1,  # the proxy tries at most retries + 1 backends
+            role=role,
+        )
         self.last_cached_blocks = decision.cached_blocks
         index_of = self._index_of
         return tuple([index_of[backend_id] for backend_id in decision.ranked])
 
     def route(self, request: SimRequest, now_s: float) -> None:
-        """``decide`` for ``request``: its ranked backends and the decision's matches."""
-        request.ranked = self.decide(request.info, now_s)
+        """``decide`` for ``request``: its ranked backends and the decision's matches.
+
+        With prefill/decode-role backends, as the live gateway (``gateway/disagg.py``,
+        ``plan_split``): a request the split rule splits gets the policy's ranking of
+        the prefill backends for its prefill leg (max_tokens 1) and, taken now, the
+        decode backends' ``rank_decode`` order for its decode leg; one the rule keeps
+        whole counts as ``colocated`` when its model has such backends.
+        """
+        info = request.info
+        if self.has_roles:
+            pools = role_pools(self.candidates(now_s).get(info.model, ()))
+            if pools.prefill or pools.decode:
+                if should_split(pools, info.input_tokens, self.cfg.disagg):
+                    prefill_info = info.replaced(max_tokens=1, predicted_output_tokens=1)
+                    ranked = self.decide(prefill_info, now_s, role="prefill")
+                    if ranked:
+                        request.leg, request.ranked = PREFILL_LEG, ranked
+                        request.info = prefill_info
+                        request.cached_blocks = self.last_cached_blocks
+                        index_of = self._index_of
+                        decode = rank_decode(pools.decode)
+                        request.decode_ranked = tuple([index_of[b] for b in decode])
+                        return
+                if self.disagg is not None:
+                    self.disagg.num_colocated += 1
+        request.ranked = self.decide(info, now_s)
         request.cached_blocks = self.last_cached_blocks
+
+    def route_decode(self, request: SimRequest) -> None:
+        """A split request's decode leg, over the decode ranking taken at its arrival
+        (at most ``retries + 1``); the transferred prompt (all but the last token)
+        counts as cached there, in whole blocks, as the live gateway counts it."""
+        request.attempt = 0
+        request.leg = DECODE_LEG
+        request.info = request.profile
+        request.ranked = request.decode_ranked[: self.cfg.retries + 1]
+        num_blocks = max(0, request.profile.input_tokens - 1) // self.cfg.block_size
+        backends = self.backends
+        request.cached_blocks = {backends[i].backend_id: num_blocks for i in request.ranked}
+
+    def route_fallback(
+        self, request: SimRequest, now_s: float, first: tuple[int, ...], skip: tuple[int, ...]
+    ) -> None:
+        """A split request whose prefill legs (or decode legs) all failed: the whole
+        request to ``first``, then the unsplit ranking, leaving out ``skip`` when that
+        leaves any (the live gateway's ``fallback``)."""
+        request.attempt = 0
+        request.leg = WHOLE
+        request.info = request.profile
+        decided = self.decide(request.profile, now_s)
+        request.cached_blocks = self.last_cached_blocks
+        ordered = tuple(dict.fromkeys([i for i in (*first, *decided) if i not in skip]))
+        request.ranked = (ordered or decided or first)[: self.cfg.retries + 1]
 
     def dispatch(self, request: SimRequest, now_s: float) -> str:
         backend_id = self.backends[request.backend_index].backend_id
@@ -152,7 +217,7 @@ class SimGateway:
             backend_id, request.info, ok=status == 200, status=status,
             started_s=request.attempt_start_s, first_token_s=request.gateway_first_token_s,
             last_token_s=now_s,
-            output_tokens=request.spec.output_tokens if status == 200 else 0,
+            output_tokens=(request.info.max_tokens or 0) if status == 200 else 0,
         )  # fmt: skip
         if outcome.ok and self.demotion is not None:
             self.demotion.on_complete(backend_id, now_s, outcome.tpot_ms)

@@ -66,7 +66,30 @@ def sim_markdown(summary: Mapping[str, Any]) -> str:
         for name, block in per_backend.items():
             cells = [block.get(k) for k in ("utilisation_mean", "kv_usage_mean", "kv_usage_max")]
             lines.append(f"| {name} | " + " | ".join(fmt(c, 3) for c in cells) + " |")
+    lines += _disagg_lines(summary)
     return summary_markdown(summary) + "\n".join(lines) + "\n"
+
+
+def _disagg_lines(summary: Mapping[str, Any]) -> list[str]:
+    """Split counts and KV transfer times (P/D pools), tier hit rates (KV tiers)."""
+    rows: list[tuple[str, str]] = []
+    disagg = summary.get("disagg")
+    if isinstance(disagg, Mapping):
+        rows += [(f"{mode} requests", fmt(disagg.get(mode))) for mode in
+                 ("split", "colocated", "fallback")]  # fmt: skip
+        transfer = summary.get("kv_transfer_ms") or {}
+        rows += [(f"KV transfer {p} (ms)", fmt(transfer.get(p), 1)) for p in ("p50", "p95")]
+    tiers = summary.get("kv_tiers")
+    if isinstance(tiers, Mapping):
+        rows += [
+            ("CPU tier hit rate (tokens)", fmt(tiers.get("cpu_hit_rate"), 3)),
+            ("remote tier hit rate (tokens)", fmt(tiers.get("remote_hit_rate"), 3)),
+            ("KV loaded from tiers (s)", fmt(tiers.get("load_s"), 3)),
+        ]
+    if not rows:
+        return []
+    lines = ["", "## Disaggregated prefill/decode and KV tiers", "", "| quantity | value |"]
+    return [*lines, "|---|---|", *(f"| {k} | {v} |" for k, v in rows)]
 
 
 def _bench_result(result: SimResult) -> BenchResult:

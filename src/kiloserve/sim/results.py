@@ -160,6 +160,10 @@ class MetricsCollector:
         self.records: list[RequestRecord] = []
         self.routing: list[tuple[str, str]] = []
         self.last_completion_s = 0.0
+        # KV transfers of split requests (disaggregated prefill/decode), in ms; the
+        # summary reports them when the cluster has P/D pools (``has_kv_transfers``)
+        self.has_kv_transfers = False
+        self.kv_transfer_ms = array("f")
 
     @property
     def num_ok(self) -> int:
@@ -225,6 +229,10 @@ class MetricsCollector:
         if self.keep_records:
             self.routing.append((request_id, backend_id))
 
+    def add_kv_transfer(self, transfer_s: float) -> None:
+        """One prefill -> decode KV transfer of ``transfer_s`` seconds."""
+        self.kv_transfer_ms.append(transfer_s * 1000.0)
+
     def add_itl(self, backend_index: int, gap_s: float, weight: int) -> None:
         if weight <= 0 or gap_s <= 0:
             return
@@ -239,6 +247,8 @@ class MetricsCollector:
         ok_mask = np.ones(backend.size, dtype=bool)
         out: dict[str, object] = {"schema_version": SCHEMA_VERSION}
         out |= self._latencies(ok_mask, self.itl)
+        if self.has_kv_transfers:
+            out["kv_transfer_ms"] = _stats(np.frombuffer(self.kv_transfer_ms, dtype=np.float32))
         num_ok, num_failed = self.num_ok, self.num_failed
         total = num_ok + num_failed
         duration_s = max(duration_s, 1e-9)

@@ -21,6 +21,7 @@ from kiloserve.sim.cluster import (
     describe_backends,
     pool_gpu_shares,
 )
+from kiloserve.sim.disagg import SimDisagg, kv_tier_summary
 from kiloserve.sim.faults import FaultEvent
 from kiloserve.sim.gateway import ModelPicker, SimGateway
 from kiloserve.sim.kvevents import SimKvEvents
@@ -43,7 +44,9 @@ class SimResult:
     ``summary`` is a bench ``summary.json`` dict plus ``sim_wall_s``, ``sim_cpu_s``,
     ``simulated_requests``, ``simulated_duration_s``, ``arrival_span_s`` (the last
     arrival), ``real_time_factor``, ``requests_per_wall_s``, ``sim_stats`` and
-    ``backend_timeseries`` (downsampled utilisation and KV usage per backend).
+    ``backend_timeseries`` (downsampled utilisation and KV usage per backend); with
+    prefill/decode-role backends also ``kv_transfer_ms`` (the shape of ``ttft_ms``)
+    and ``disagg`` (split / colocated / fallback counts), with KV tiers ``kv_tiers``.
     ``routing`` and ``records`` are filled only with ``keep_records``.
     """
 
@@ -118,6 +121,11 @@ def simulate(
     }
     if run.sim.lora is not None:
         summary["lora"] = run.sim.lora.describe()
+    if run.sim.disagg is not None:
+        summary["disagg"] = run.sim.disagg.describe()
+    tiers = kv_tier_summary(run.sim.backends)
+    if tiers is not None:
+        summary["kv_tiers"] = tiers
     return SimResult(summary, run.metrics.routing, run.metrics.records, timeseries)
 
 
@@ -160,9 +168,13 @@ def _build(cluster: ClusterConfig, workload: Workload, policy: Policy, opts: _Op
     backends = build_backends(
         cluster, fast_forward=opts.fast_forward, kv_events=kv_events, publishers=publishers
     )
-    gateway = SimGateway(gateway_cfg, policy, backends, seed=opts.seed, kv_events=kv_events)
+    disagg = SimDisagg(backends) if cluster.has_pd_pools else None
+    gateway = SimGateway(
+        gateway_cfg, policy, backends, seed=opts.seed, kv_events=kv_events, disagg=disagg
+    )
     ids = [b.backend_id for b in backends]
     metrics = MetricsCollector(ids, opts.slo, keep_records=opts.keep_records)
+    metrics.has_kv_transfers = cluster.has_pd_pools
     series = TimeSeries(len(backends), SAMPLE_INTERVAL_S)
     digest = WorkloadDigest()
     sim = Simulator(
@@ -178,6 +190,7 @@ def _build(cluster: ClusterConfig, workload: Workload, policy: Policy, opts: _Op
         series=series,
         progress=opts.progress,
         lora=None if opts.lora is None else SimLora(opts.lora, gateway, backends, opts.seed),
+        disagg=disagg,
     )
     return _Run(sim, metrics, series, digest, infos)
 

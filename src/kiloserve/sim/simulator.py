@@ -21,6 +21,7 @@ from kiloserve.engine.core import StepResult
 from kiloserve.errors import ConfigError, RequestError, some_of
 from kiloserve.results.records import RequestRecord
 from kiloserve.sim.backend import SimBackend
+from kiloserve.sim.disagg import HOLD_TIMEOUT_S, SimDisagg
 from kiloserve.sim.events import (
     Arrival,
     AttemptFailed,
@@ -29,6 +30,7 @@ from kiloserve.sim.events import (
     Failure,
     Fault,
     FirstToken,
+    KvRelease,
     RequestDone,
     Scrape,
     StepDone,
@@ -37,7 +39,7 @@ from kiloserve.sim.faults import FaultEvent
 from kiloserve.sim.gateway import ModelPicker, SimGateway
 from kiloserve.sim.lora import SimLora
 from kiloserve.sim.prompts import Prompt, PromptIds
-from kiloserve.sim.request import SimRequest
+from kiloserve.sim.request import DECODE_LEG, PREFILL_LEG, SimRequest
 from kiloserve.sim.results import MetricsCollector, TimeSeries
 from kiloserve.sim.sequence import SimSequence as EngineSequence
 from kiloserve.workload import RequestSpec
@@ -79,8 +81,10 @@ class Simulator:
         series: TimeSeries | None = None,
         progress: Callable[[int], None] | None = None,
         lora: SimLora | None = None,
+        disagg: SimDisagg | None = None,
     ) -> None:
         self.backends = backends
+        self.disagg = disagg  # prefill/decode-role backends: split requests (sim.disagg)
         self.lora = lora  # LoRA adapters: which requests use one, where (sim.lora)
         self.gateway = gateway
         self.prompts = prompts
@@ -205,6 +209,8 @@ class Simulator:
         info = self.gateway.profile(spec, model, seq)
         request = SimRequest(spec, info, prompt, now_s, seq=seq)
         self.gateway.route(request, now_s)
+        if request.leg == PREFILL_LEG:  # one token, its blocks held for the decode leg
+            seq.seq_id, seq.max_tokens, seq.hold_on_finish = request.seq_id, 1, True
         if not request.ranked:
             self._record_failure(request, 503, NO_BACKEND, now_s)
             return []
@@ -215,15 +221,20 @@ class Simulator:
         self.metrics.add_routing(request.spec.request_id, backend_id)
         backend = self.backends[request.backend_index]
         if request.attempt > 0 or request.seq is None:
-            request.seq = _new_sequence(
-                request.seq_id, request.prompt, request.spec.output_tokens, now_s
-            )
+            request.seq = _leg_sequence(request, now_s)
         if not backend.is_alive:  # connection refused, answered after one round trip
             return [AttemptFailed(now_s + 2 * self.delay_s, request, CONNECT_ERROR)]
-        return [EngineAdd(now_s + self.delay_s + backend.model.api_overhead_s, request)]
+        add_s = now_s + self.delay_s + backend.model.api_overhead_s
+        if request.leg == DECODE_LEG and self.disagg is not None:  # the engine pulls the KV
+            transfer_s = self.disagg.transfer_s(backend.index, len(request.prompt.token_ids) - 1)
+            self.metrics.add_kv_transfer(transfer_s)
+            add_s += transfer_s
+        return [EngineAdd(add_s, request)]
 
     def on_first_token(self, request: SimRequest, now_s: float) -> list[Event]:
         self.gateway.first_token(request, now_s)
+        if request.leg == DECODE_LEG and self.disagg is not None:
+            self.disagg.num_split += 1  # served by its decode leg (the live gateway's count)
         return []
 
     def on_request_done(
@@ -231,6 +242,8 @@ class Simulator:
     ) -> list[Event]:
         if failure is None:
             self.gateway.complete(request, 200, now_s)
+            if request.leg == PREFILL_LEG:
+                return self._start_decode_leg(request, now_s)
             self._record_ok(request, now_s)
             return []
         self.gateway.complete(request, failure.status, now_s)
@@ -238,8 +251,44 @@ class Simulator:
         if failure.is_retryable and request.has_more_attempts and not is_first_sent:
             request.attempt += 1
             return self._dispatch(request, now_s)
+        if request.leg and failure.is_retryable and not is_first_sent:
+            return self._fallback(request, now_s)
         self._record_failure(request, failure.status, failure.error, now_s)
-        return []
+        return self._expire_hold(request, now_s)
+
+    def _start_decode_leg(self, request: SimRequest, now_s: float) -> list[Event]:
+        """The prefill leg's answer is in: send the decode leg (it pulls the KV)."""
+        request.held = (request.backend_index, request.seq_id)
+        request.seq = None
+        self.gateway.route_decode(request)
+        return self._dispatch(request, now_s)
+
+    def _fallback(self, request: SimRequest, now_s: float) -> list[Event]:
+        """Every prefill leg (or every decode leg) of a split request failed before its
+        answer: the whole request, on the decode backends first after failed prefills,
+        on any but the failed decode backends after failed decodes."""
+        if self.disagg is not None:
+            self.disagg.num_fallback += 1
+        events = self._expire_hold(request, now_s)
+        first: tuple[int, ...] = ()  # after failed prefills: the decode backends first
+        skip: tuple[int, ...] = ()  # after failed decodes: not the failed ones
+        if request.leg == PREFILL_LEG:
+            first = request.decode_ranked
+        else:
+            skip = request.ranked
+        request.seq = None
+        self.gateway.route_fallback(request, now_s, first, skip)
+        if not request.ranked:
+            self._record_failure(request, 503, NO_BACKEND, now_s)
+            return events
+        return events + self._dispatch(request, now_s)
+
+    def _expire_hold(self, request: SimRequest, now_s: float) -> list[Event]:
+        """Held KV that no decode backend will release: freed at the hold timeout."""
+        held, request.held = request.held, None
+        if held is None:
+            return []
+        return [KvRelease(now_s + HOLD_TIMEOUT_S, held[0], held[1])]
 
     def _record_ok(self, request: SimRequest, now_s: float) -> None:
         first_s = request.gateway_first_token_s
@@ -290,6 +339,9 @@ class Simulator:
             return [AttemptFailed(now_s + self.delay_s, request, CONNECT_ERROR)]
         events = self._sync(backend, now_s)
         request.engine_add_s, request.queue_s = now_s, None
+        if request.held is not None and request.leg == DECODE_LEG:
+            held, request.held = request.held, None  # pulled: the decode twin releases it
+            events.append(KvRelease(now_s + self.delay_s, held[0], held[1]))
         try:
             backend.add(request)
         except RequestError as exc:
@@ -338,11 +390,25 @@ class Simulator:
                 if request.seq is not None and request.seq.num_output_tokens:
                     del awaiting[seq_id]
                     request.first_token_s = now_s
-                    events.append(FirstToken(arrive_s, request))
+                    if request.leg != PREFILL_LEG:  # a prefill leg answers once, unstreamed
+                        events.append(FirstToken(arrive_s, request))
         for seq in result.finished:
             done = requests.pop(seq.seq_id, None)
             if done is not None:
                 events.append(RequestDone(arrive_s, done))
+        return events
+
+    def on_kv_release(self, index: int, seq_id: str, now_s: float) -> list[Event]:
+        """The prefill backend frees a held prefill leg's blocks (waiting work may fit)."""
+        backend = self.backends[index]
+        if not backend.is_alive:
+            return []
+        events = self._sync(backend, now_s)
+        if backend.release(seq_id):
+            if self.disagg is not None:
+                self.disagg.num_releases += 1
+            if not backend.is_busy:
+                events += self._start(backend, now_s)
         return events
 
     # -- periodic and scheduled ----------------------------------------------------
@@ -411,6 +477,21 @@ class Simulator:
         return events
 
 
+def _leg_sequence(request: SimRequest, now_s: float) -> EngineSequence:
+    """The sequence of the request's current attempt: whole, a prefill leg (one token,
+    blocks held for the decode backend) or a decode leg (all but the last prompt token
+    arrive as KV)."""
+    leg, prompt = request.leg, request.prompt
+    if leg == PREFILL_LEG:
+        seq = _new_sequence(request.seq_id, prompt, 1, now_s)
+        seq.hold_on_finish = True
+        return seq
+    seq = _new_sequence(request.seq_id, prompt, request.spec.output_tokens, now_s)
+    if leg == DECODE_LEG:
+        seq.num_transferred_tokens = len(prompt.token_ids) - 1
+    return seq
+
+
 def _new_sequence(seq_id: str, prompt: Prompt, max_tokens: int, now_s: float) -> EngineSequence:
     return EngineSequence(
         seq_id,
@@ -419,4 +500,6 @@ def _new_sequence(seq_id: str, prompt: Prompt, max_tokens: int, now_s: float) ->
         arrival_s=now_s,
         unique_key=None if prompt.unique_from is None else prompt.unique_key,
         unique_from=prompt.unique_from or 0,
+        run_keys=prompt.run_keys,
+        run_tokens=prompt.run_tokens,
     )
