@@ -29,7 +29,8 @@ without params, to the decode backends first, then the rest of the model's pool
 with the same params (the proxy's retries); none left -> the whole request to the
 model's other backends (``fallback``). A prefill backend's 4xx (other than 429) is the
 client's answer, as the proxy passes 4xx through. After the first byte the proxy's
-mid-stream failover applies; a continuation carries no KV params (``gateway/migrate.py``).
+mid-stream failover applies; a continuation carries no KV params (``gateway/migrate.py``),
+so it goes to the other decode backends, then ``both``, then ``prefill`` ones.
 
 Accounting: each leg is an attempt on its backend (``Router.dispatch`` ...
 ``complete``): the prefill backend holds the request in flight during its leg (a
@@ -61,7 +62,7 @@ from kiloserve.gateway.headers import (
 )
 from kiloserve.gateway.proxy import ProxyContext, forward
 from kiloserve.policies.base import Decision, RequestInfo
-from kiloserve.routing.disagg import rank_decode, role_pools, should_split
+from kiloserve.routing.disagg import rank_decode, role_pools, should_split, unsplit_order
 
 __all__ = ["PREFILL_KV_PARAMS", "SplitPlan", "forward_split", "plan_split", "prefill_body"]
 
@@ -292,6 +293,15 @@ async def _whole(
     return await forward(ctx, request, path, body, raw, info, decision.replaced(ranked=ordered))
 
 
+def _continuations(ctx: ProxyContext, info: RequestInfo, plan: SplitPlan) -> tuple[str, ...]:
+    """Where a decode leg's stream cut after its first byte goes on: a continuation
+    carries no KV params (it recomputes), so any backend of the model runs it: the
+    other decode backends first, then ``both``, then ``prefill`` ones."""
+    table = ctx.table
+    rest = unsplit_order([b.backend_id for b in table.pool(info.model)], table.role_of)
+    return tuple(dict.fromkeys((*plan.decode, *rest)))
+
+
 async def forward_split(
     ctx: ProxyContext,
     request: web.Request,
@@ -318,8 +328,9 @@ async def forward_split(
     )
     try:
         resp = await forward(
-            ctx, request, path, decode_body, orjson.dumps(decode_body), info, decode
-        )
+            ctx, request, path, decode_body, orjson.dumps(decode_body), info, decode,
+            continue_on=_continuations(ctx, info, plan),
+        )  # fmt: skip
     except BadGatewayError:  # no decode backend answered (the 504 subclass too)
         resp = None
     if resp is not None and not _failed_before_first_byte(resp):

@@ -548,8 +548,10 @@ async def forward(
     raw: bytes,
     info: RequestInfo,
     decision: Decision,
+    continue_on: tuple[str, ...] | None = None,
 ) -> web.StreamResponse:
-    """Send the request to the decision's backends in rank order until one answers."""
+    """Send the request to the decision's backends in rank order until one answers
+    (a cut stream continues on ``continue_on``, default the same backends)."""
     loop = asyncio.get_running_loop()
     hooks: ApiHooks | None = request.get(HOOKS_KEY)  # an agent-era API's: sent as it came
     payload, is_stream, strip_usage = (
@@ -571,7 +573,7 @@ async def forward(
         and migratable(path, body)
         and migration_requested(request.headers.get(MIGRATE_HEADER))
     ):
-        call.body, call.ranked = body, decision.ranked
+        call.body, call.ranked = body, decision.ranked if continue_on is None else continue_on
     candidates = decision.ranked[: ctx.cfg.retries + 1]
     failure = _Failure("deadline_exceeded", status=504)
     backend_id = candidates[0]

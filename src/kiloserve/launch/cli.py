@@ -33,13 +33,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def backend_table(cluster: LocalCluster) -> Table:
+    """The backends ``kiloserve up`` started; a ``role`` column when the cluster has
+    prefill/decode pools (a cluster of ``both`` engines prints as before)."""
     table = Table(title=f"kiloserve cluster '{cluster.cfg.name}'")
-    for col in ("name", "url", "gpu", "model", "tp", "quant", "KV capacity (tokens)", "group"):
+    with_role = any(b.role != "both" for b in cluster.backends)
+    cols = ["name", "url", "gpu", "model", "tp", "quant", "KV capacity (tokens)", "group"]
+    if with_role:
+        cols.append("role")
+    for col in cols:
         table.add_column(col, justify="right" if col in ("tp", "KV capacity (tokens)") else "left")
     for b in cluster.backends:
-        table.add_row(
-            b.name, b.url, b.gpu, b.model, str(b.tp), b.quant, f"{b.kv_capacity_tokens:,}", b.group
-        )
+        row = [b.name, b.url, b.gpu, b.model, str(b.tp), b.quant, f"{b.kv_capacity_tokens:,}"]
+        row.append(b.group)
+        table.add_row(*row, *([b.role] if with_role else []))
     return table
 
 
