@@ -23,6 +23,7 @@ from rich.console import Console
 
 from kiloserve.catalog import get_gpu, get_model, list_gpus, normalize_name
 from kiloserve.errors import ConfigError
+from kiloserve.plan import disagg
 from kiloserve.plan.capacity import (
     DEFAULT_MAX_NUM_PROBES,
     CapacityResult,
@@ -89,6 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--policy", default="default", help="routing policy for --verify / --pareto (default)")
     a("--sim-duration", type=float, default=60.0, help="seconds of arrivals per cluster run")
     a("--out", default="plan-out", help="output folder for plan.json (plan-out)")
+    disagg.add_arguments(parser)
     add_sweep_arguments(parser)
 
 
@@ -112,6 +114,12 @@ def run(args: argparse.Namespace) -> int:
     _print_capacity_notes(console, candidates, capacities)
     if deployments and (args.verify or args.pareto):
         plan |= _cluster_runs(args, deployments[0], slo, console)
+    if args.disagg:
+        from kiloserve.plan.disagg_report import run_disagg
+
+        run_disagg(
+            args, candidates, deployments, slo, mean_in, mean_out, console, command=_command(args)
+        )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "plan.json", plan)
