@@ -99,6 +99,16 @@ build_llama() {
   log "llama-server ready"
 }
 
+install_nixl() {
+  # NIXL for vLLM's NixlConnector (real P/D on CPU over UCX: docs/real-engines.md). The
+  # `nixl` meta package requires both nixl-cu12 and nixl-cu13; on CPU it loads cu12, so
+  # both pins go in --no-deps. Best effort: without it the NIXL tests skip.
+  if "$VENV/bin/python" -c "import nixl._api" >/dev/null 2>&1; then log "nixl cached"; return 0; fi
+  log "pip install nixl (log: $LOGS/nixl.log)"
+  "$VENV/bin/pip" install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1 >"$LOGS/nixl.log" 2>&1 \
+    || log "nixl not installed (NIXL tests will skip): $(tail -n 1 "$LOGS/nixl.log")"
+}
+
 make_model() {
   # Tiny random Llama + tokenizer + GGUF; deterministic, seconds.
   if [[ -f "$MODEL_DIR/tiny.gguf" && -f "$MODEL_DIR/config.json" ]]; then
@@ -124,6 +134,7 @@ VLLM_SKIP=""
 MODEL_SKIP=""
 if [[ $WANT_VLLM == 1 || $WANT_LLAMA == 1 ]]; then
   if out="$(install_venv)"; then
+    [[ $WANT_VLLM == 1 ]] && install_nixl
     out="$(make_model)" || MODEL_SKIP="$out"
   else
     VLLM_SKIP="$out"

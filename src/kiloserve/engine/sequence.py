@@ -103,8 +103,9 @@ class Sequence:
     the number of leading prompt tokens whose KV arrived from a prefill engine: when
     the sequence is first scheduled they count as computed (blocks are allocated for
     them, no prefill compute, not a prefix-cache hit), so only the rest is prefilled.
-    As in vLLM's NixlConnector it is at most ``len(prompt) - 1`` (the last prompt
-    token is recomputed for its logits); after a preemption the sequence is
+    It is at most ``len(prompt) - 1``: the last prompt token is prefilled here, in the
+    step that yields the first token (real vLLM 0.32 with NIXL counts all prompt tokens
+    as external hits: one token of difference); after a preemption the sequence is
     recomputed like any other. ``hold_on_finish`` (prefill side): on a normal finish
     the blocks stay allocated until ``EngineCore.release`` (vLLM's delayed free while
     a decode engine pulls them); an abort frees them at once.
