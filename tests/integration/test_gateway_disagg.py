@@ -46,6 +46,7 @@ class PdFake(FakeBackend):
 
     engine_id: str = "engine"
     omit_params: bool = False  # answer a prefill leg without kv_transfer_params
+    prefill_s: float = 0.0  # a prefill leg's compute time
 
     def _params(self) -> dict[str, Any]:
         return {
@@ -65,6 +66,8 @@ class PdFake(FakeBackend):
             return await super()._generate(request)
         self.bodies.append(body)
         self.headers.append({k.lower(): v for k, v in request.headers.items()})
+        if self.prefill_s:
+            await asyncio.sleep(self.prefill_s)
         answer: dict[str, Any] = {
             "id": "cmpl-p",
             "object": "text_completion",
@@ -340,6 +343,57 @@ async def test_prefill_leg_holds_the_prefill_backend_in_flight() -> None:
             rows = await admin_backends(gw)
             task.cancel()
     assert rows["p"]["in_flight"] == 1 and rows["d"]["in_flight"] == 0
+
+
+async def test_client_gone_during_the_prefill_leg_frees_every_count() -> None:
+    """A client that leaves while its prefill leg computes: the leg is closed (the
+    engine aborts it), the prefill backend's in-flight count returns to 0, no decode
+    leg is sent and the prefill backend is not counted as failing."""
+    p, d = PdFake(mode="hang"), PdFake()
+    async with fake_backends(p, d):
+        cfg = _pd_config(("p", "prefill", p), ("d", "decode", d))
+        async with running_gateway(cfg) as gw:
+            body = {"model": "m", "prompt": LONG_PROMPT, "max_tokens": 3}
+            task = asyncio.create_task(_post(gw, body))
+            for _ in range(100):
+                await asyncio.sleep(0.02)
+                if p.num_active:
+                    break
+            assert p.num_active == 1
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            for _ in range(100):
+                await asyncio.sleep(0.02)
+                rows = await admin_backends(gw)
+                if rows["p"]["in_flight"] == 0 and p.num_aborted:
+                    break
+            rows = await admin_backends(gw)
+            retries = await _metric(gw, "kiloserve_gateway_retries_total{")
+            p.mode = "ok"  # the backend is usable at once: not counted a failure
+            status, headers, _ = await _post(gw, body, rid="req-2")
+    assert rows["p"]["in_flight"] == 0 and rows["d"]["in_flight"] == 0
+    assert p.num_aborted == 1 and retries == 0
+    assert not any(b.get("kv_transfer_params") for b in d.bodies[:-1])  # no decode leg before
+    assert status == 200 and headers["x-kiloserve-backend"] == "d"
+    assert len(d.bodies) == 1 and d.bodies[0]["kv_transfer_params"]["remote_engine_id"]
+
+
+async def test_decode_backend_is_chosen_when_the_prefill_leg_is_done() -> None:
+    """Requests whose prefill legs overlap spread over the decode backends: each decode
+    leg is ranked when its prefill answer is in, so it sees the decode legs sent before
+    it in flight (ranked at arrival, every one of them would pick the same backend)."""
+    p = PdFake(prefill_s=0.3)
+    d1, d2 = PdFake(num_chunks=3, chunk_delay_s=0.3), PdFake(num_chunks=3, chunk_delay_s=0.3)
+    async with fake_backends(p, d1, d2):
+        cfg = _pd_config(("p", "prefill", p), ("d1", "decode", d1), ("d2", "decode", d2))
+        async with running_gateway(cfg) as gw:
+            body = {"model": "m", "prompt": LONG_PROMPT, "max_tokens": 3}
+            got = await asyncio.gather(*(_post(gw, body, rid=f"r{i}") for i in range(4)))
+    assert [status for status, _, _ in got] == [200] * 4
+    served = sorted(headers["x-kiloserve-backend"] for _, headers, _ in got)
+    assert served == ["d1", "d1", "d2", "d2"]
+    assert len(d1.bodies) == len(d2.bodies) == 2
 
 
 async def test_admin_shows_roles_and_the_disagg_section() -> None:

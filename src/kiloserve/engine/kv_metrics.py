@@ -13,8 +13,8 @@ Read at scrape time: ``kiloserve:kv_held_blocks`` / ``kiloserve:kv_held_requests
 
 KV tiers (only with ``--kv-cpu-gib`` / ``--kv-remote-gib``), read at scrape time from
 the engine core's tier counters. As vLLM counts its offloading connector's hits:
-``vllm:external_prefix_cache_queries`` / ``_hits`` (tokens looked up past the GPU
-prefix cache, tokens found in a tier), ``vllm:kv_offload_total_bytes{transfer_type=
+``vllm:external_prefix_cache_queries`` / ``_hits`` (every token of each sequence
+admitted with a tier lookup, tokens found in a tier), ``vllm:kv_offload_total_bytes{transfer_type=
 "GPU_to_CPU"|"CPU_to_GPU"}`` and ``vllm:kv_offload_cpu_cache_usage_perc``. vLLM has
 no remote tier of its own (LMCache's are its own metrics), so per tier:
 ``kiloserve:kv_tier_hit_tokens{tier}``, ``kiloserve:kv_tier_offloaded_blocks{tier}``,

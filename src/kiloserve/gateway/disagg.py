@@ -14,7 +14,8 @@ simulator); this module speaks the wire protocol of vLLM's disaggregated-serving
 2. the ``kv_transfer_params`` of its JSON answer;
 3. decode leg: the client's request as sent (its own ``stream`` and ``max_tokens``) plus
    those params, with the same ``X-Request-Id``, to the ``decode`` backend
-   (``rank_decode``: least KV usage, then in-flight), through the proxy
+   (``rank_decode``: least KV usage, then in-flight, ranked when the prefill answer
+   is in, so decode legs sent meanwhile count), through the proxy
    (``gateway/proxy.py``: relay, retries, mid-stream failover, accounting).
 
 A prefill answer whose ``kv_transfer_params`` is null or absent (connectors that move
@@ -82,8 +83,10 @@ _CLIENT_GONE = 499
 
 @dataclass(slots=True)
 class SplitPlan:
-    """A split request's legs: the policy's prefill ranking, the decode ranking, and
-    the admission layer's decision for a whole-request fallback (None: decide then)."""
+    """A split request's legs: the policy's prefill ranking, the decode ranking (taken
+    at the arrival, for a fallback after failed prefill legs; taken again when the
+    prefill answer is in, for the decode leg), and the admission layer's decision for
+    a whole-request fallback (None: decide then)."""
 
     prefill: Decision
     decode: tuple[str, ...]
@@ -320,6 +323,10 @@ async def forward_split(
         logger.warning("request_id=%s every prefill leg failed: whole request", info.request_id)
         return await _whole(ctx, request, path, body, raw, info, plan, plan.decode)
     decode_body = {**body, "kv_transfer_params": got} if got else body
+    # ranked now, not at the arrival: the decode legs sent while this prefill ran are
+    # in flight on their backends (ranked at the arrival, overlapping prefills would
+    # all pick the same decode backend)
+    plan.decode = rank_decode(role_pools(ctx.table.pool(info.model)).decode) or plan.decode
     # the transferred prompt tokens (all but the last, as vLLM's NixlConnector) count as
     # cached on the decode backend: its outstanding prefill work is the rest
     num_blocks = max(0, info.input_tokens - 1) // ctx.router.block_size

@@ -10,7 +10,7 @@ restricted to prefill backends, ``rank_decode``). Flow of one split request
                                choice among prefill backends (max_tokens 1, blocks held)
     EngineAdd(t + d + o_p)     prefill backend: the prompt is computed, one token
     RequestDone(+d)            gateway: the prefill answer; the decode leg goes to the
-                               first of rank_decode's order (taken at the arrival)
+                               first of rank_decode's order (taken now, as the gateway)
     EngineAdd(+d + o_d + T)    decode backend: pulls the KV (T), then adds the sequence
                                with num_transferred_tokens = prompt - 1
     KvRelease(+d)              prefill backend: the decode twin's release frees the blocks
@@ -77,8 +77,9 @@ def kv_tier_summary(backends: Sequence[SimBackend]) -> dict[str, Any] | None:
     """The KV tiers' counters summed over the engines that have one (None: no tier).
 
     Hit rates are tokens loaded back from a tier over the tokens looked up in the
-    tiers (the GPU prefix cache's misses of admitted sequences); engines that died
-    lose their counters, as their prefix-cache counters do.
+    tiers (every token of each sequence admitted with a tier lookup, not only the GPU
+    misses, re-admissions too); engines that died lose their
+    counters, as their prefix-cache counters do.
     """
     tiered = [b for b in backends if b.model.engine_config.has_kv_tiers]
     if not tiered:

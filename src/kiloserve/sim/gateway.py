@@ -144,7 +144,8 @@ class SimGateway:
         With prefill/decode-role backends, as the live gateway (``gateway/disagg.py``,
         ``plan_split``): a request the split rule splits gets the policy's ranking of
         the prefill backends for its prefill leg (max_tokens 1) and, taken now, the
-        decode backends' ``rank_decode`` order for its decode leg; one the rule keeps
+        decode backends' ``rank_decode`` order (a fallback's after failed prefill legs;
+        ``route_decode`` ranks them again for the decode leg); one the rule keeps
         whole counts as ``colocated`` when its model has such backends.
         """
         info = request.info
@@ -167,13 +168,19 @@ class SimGateway:
         request.ranked = self.decide(info, now_s)
         request.cached_blocks = self.last_cached_blocks
 
-    def route_decode(self, request: SimRequest) -> None:
-        """A split request's decode leg, over the decode ranking taken at its arrival
-        (at most ``retries + 1``); the transferred prompt (all but the last token)
-        counts as cached there, in whole blocks, as the live gateway counts it."""
+    def route_decode(self, request: SimRequest, now_s: float) -> None:
+        """A split request's decode leg, over the decode backends ranked now, when the
+        prefill answer is in (at most ``retries + 1``; the arrival's ranking when none
+        is routable), as the live gateway: decode legs sent meanwhile count. The
+        transferred prompt (all but the last token) counts as cached there, in whole
+        blocks, as the live gateway counts it."""
         request.attempt = 0
         request.leg = DECODE_LEG
         request.info = request.profile
+        pools = role_pools(self.candidates(now_s).get(request.profile.model, ()))
+        if pools.decode:
+            index_of = self._index_of
+            request.decode_ranked = tuple([index_of[b] for b in rank_decode(pools.decode)])
         request.ranked = request.decode_ranked[: self.cfg.retries + 1]
         num_blocks = max(0, request.profile.input_tokens - 1) // self.cfg.block_size
         backends = self.backends

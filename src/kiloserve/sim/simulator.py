@@ -260,7 +260,7 @@ class Simulator:
         """The prefill leg's answer is in: send the decode leg (it pulls the KV)."""
         request.held = (request.backend_index, request.seq_id)
         request.seq = None
-        self.gateway.route_decode(request)
+        self.gateway.route_decode(request, now_s)
         return self._dispatch(request, now_s)
 
     def _fallback(self, request: SimRequest, now_s: float) -> list[Event]:

@@ -266,3 +266,18 @@ def test_no_decode_backend_left_runs_the_whole_request_elsewhere() -> None:
     disagg = result.summary["disagg"]
     assert disagg == {"split": 0, "colocated": 0, "fallback": 1, "kv_releases": 1}
     assert result.summary["simulated_duration_s"] >= HOLD_TIMEOUT_S  # the timed-out hold
+
+
+def test_decode_legs_of_overlapping_prefills_spread_over_the_decode_backends() -> None:
+    """Four long requests arrive 1 ms apart, so their prefill legs overlap: each decode
+    leg is ranked when its prefill answer is in (as the live gateway does), seeing the
+    decode legs sent before it (in flight, then in the KV usage scraped); ranked at the
+    arrival (every decode backend idle then) all four went to the first one."""
+    cluster = _cluster(_line("p", "prefill"), _line("d1", "decode"), _line("d2", "decode"))
+    workload = load_workload(
+        "synthetic:input=2000,output=50", seed=0, rate=1000, num_requests=4, with_prompts=False
+    )
+    result = simulate(cluster, workload, "round_robin", network_delay_s=DELAY_S, keep_records=True)
+    decode_legs = [backend for _, backend in result.routing if backend != "p"]
+    assert len(decode_legs) == 4 and set(decode_legs) == {"d1", "d2"}
+    assert result.summary["disagg"]["split"] == 4
