@@ -83,8 +83,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if drop:
         config.hook.pytest_deselected(items=drop)
         config.stash[_STASH_KEY] = unavailable
-    last = [i for i in keep if i.path.name in DESTRUCTIVE_MODULES]
-    items[:] = [i for i in keep if i.path.name not in DESTRUCTIVE_MODULES] + last
+    # The real-engine tests first (the destructive ones last among them), then the rest:
+    # the shared clusters stop after the last real-engine test (``pytest_runtest_teardown``)
+    # instead of scraping two CPU vLLMs every 100 ms beside every later test.
+    real = [i for i in keep if i.get_closest_marker("real_engine")]
+    last = [i for i in real if i.path.name in DESTRUCTIVE_MODULES]
+    first = [i for i in real if i.path.name not in DESTRUCTIVE_MODULES]
+    items[:] = first + last + [i for i in keep if not i.get_closest_marker("real_engine")]
+
+
+_RUNNING: list[LocalCluster] = []  # the session's shared clusters, stopped early
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """After the last real-engine test, stop the shared clusters (their fixtures' own
+    exit at the end of the session then finds them stopped)."""
+    if item.get_closest_marker("real_engine") is None:
+        return
+    if nextitem is None or nextitem.get_closest_marker("real_engine") is None:
+        while _RUNNING:
+            _RUNNING.pop().stop()
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
@@ -205,6 +224,7 @@ def vllm_cluster(
         },
     )
     with cluster:
+        _RUNNING.append(cluster)
         yield cluster
 
 
@@ -238,6 +258,7 @@ def llamacpp_cluster(
         cfg, run_dir=tmp_path_factory.mktemp("llamacpp"), start_timeout_s=START_TIMEOUT_S
     )
     with cluster:
+        _RUNNING.append(cluster)
         yield cluster
 
 

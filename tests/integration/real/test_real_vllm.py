@@ -225,7 +225,12 @@ def _steer_attempt(
         def queue_seen(row: dict[str, Any]) -> bool:
             return row["num_running"] == MAX_NUM_SEQS and (row["num_waiting"] or 0) >= 2
 
-        wait_for(lambda: queue_seen(admin_backends(gw)["vllm-a"]), 15, "a scrape of the queue")
+        try:
+            wait_for(lambda: queue_seen(admin_backends(gw)["vllm-a"]), 15, "a scrape of the queue")
+        except AssertionError:
+            # vllm-a's queue never reached the gateway's view (its /metrics kept timing
+            # out on a starved box, as in one CI run): no request of this attempt counts
+            return [], {"excluded": ["no scrape showed vllm-a's queue in 15 s"]}
         for i in range(6):
             before = admin_backends(gw)
             if (before["vllm-a"]["num_waiting"] or 0) < 1:
@@ -259,8 +264,9 @@ def test_scraped_queueing_steers_load(vllm_cluster: LocalCluster, gateway: opena
     during which vllm-b's scrape failed does not count, and the scenario gets two more
     attempts before the assertion stands. A request that counts and goes to vllm-a
     always fails the test; when every attempt was left with fewer than two requests
-    that count because vllm-b's scrapes kept timing out (CI saw one 2-token request
-    take 25 s), the box cannot answer the question and the test skips, saying so.
+    that count because the engines' scrapes kept timing out (CI saw one 2-token request
+    take 25 s, and once no scrape of vllm-a's queue in 15 s), the box cannot answer the
+    question and the test skips, saying so.
     """
     failures, is_starved = [], True
     for _attempt in range(3):
