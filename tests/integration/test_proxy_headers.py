@@ -19,6 +19,7 @@ import pytest
 from aiohttp import web
 from test_gateway_fakes import FakeBackend, fake_backends, gateway_config, running_gateway
 
+from kiloserve.engine.protocol import PROBE_HEADER
 from kiloserve.gateway.admission.auth import hash_key
 from kiloserve.gateway.upstream import UpstreamPool
 
@@ -42,7 +43,8 @@ HOP_RESPONSE = {"keep-alive", "proxy-connection", "trailer", "upgrade", "x-hop-s
 
 @dataclass
 class HeaderBackend(FakeBackend):
-    """Adds ``reply_headers`` to every answer; records the raw request headers it got.
+    """Adds ``reply_headers`` to every answer; records the raw request headers it got
+    (of client requests: a completion probe that lands mid-test, as in one CI run, is not).
 
     ``close_after`` answers with ``Connection: close, x-hop-secret`` and really closes."""
 
@@ -56,8 +58,8 @@ class HeaderBackend(FakeBackend):
         return app
 
     async def _add_headers(self, request: web.Request, resp: web.StreamResponse) -> None:
-        if request.method != "POST":
-            return
+        if request.method != "POST" or PROBE_HEADER in request.headers:
+            return  # the gateway's own completion probes are not relayed client traffic
         self.raw_headers.append([(k.decode(), v.decode()) for k, v in request.raw_headers])
         resp.headers.update(self.reply_headers)
         if self.close_after:

@@ -196,6 +196,16 @@ def _held(url: str, num_requests: int, max_tokens: int) -> Iterator[None]:
         wait_for(lambda: _num_running(url) == 0 and _num_waiting(url) == 0, 240, "vllm-a to idle")
 
 
+def _fair_view(rows: dict[str, Any], max_age_s: float = 2.0) -> bool:
+    """Whether the gateway's view of both engines was one a load decision can rest on:
+    both healthy and both scraped well within ``max_age_s`` (one CI run had both marked
+    down by starved probes and their last good scrapes 7 s old)."""
+    return all(
+        row["healthy"] and row["scrape_age_s"] is not None and row["scrape_age_s"] <= max_age_s
+        for row in (rows["vllm-a"], rows["vllm-b"])
+    )
+
+
 def _steer_attempt(
     vllm_cluster: LocalCluster, gateway: openai.OpenAI
 ) -> tuple[list[str], dict[str, Any]]:
@@ -242,9 +252,10 @@ def _steer_attempt(
             )
             took_s.append(round(time.monotonic() - started, 2))
             errors = admin_backends(gw)["vllm-b"]["num_scrape_errors_total"]
-            if errors != before["vllm-b"]["num_scrape_errors_total"]:
-                # vllm-b's /metrics timed out meanwhile (a CPU-starved API server): the
-                # gateway saw it as unknown, never idle, and may rightly have avoided it
+            if errors != before["vllm-b"]["num_scrape_errors_total"] or not _fair_view(before):
+                # vllm-b's /metrics timed out meanwhile (a CPU-starved API server), or the
+                # gateway's view was stale or had a backend marked down by its probes:
+                # it saw load it could not trust and may rightly have chosen either
                 excluded.append(raw.headers["x-kiloserve-backend"])
                 continue
             served.append(raw.headers["x-kiloserve-backend"])
