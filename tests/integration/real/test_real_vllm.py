@@ -259,7 +259,7 @@ def _steer_attempt(
                 excluded.append(raw.headers["x-kiloserve-backend"])
                 continue
             served.append(raw.headers["x-kiloserve-backend"])
-        keys = ("num_running", "num_waiting", "scrape_age_s", "last_scrape_error", "healthy")
+        keys = ("num_running", "num_waiting", "scrape_age_s", "healthy", "unhealthy_reasons")
         rows: dict[str, Any] = {n: {k: r[k] for k in keys} for n, r in admin_backends(gw).items()}
         rows["took_s"], rows["excluded"] = took_s, excluded
         return served, rows
