@@ -205,7 +205,7 @@ async def test_hold_timeout_frees_the_blocks() -> None:
         assert status == 404
 
 
-async def test_failed_release_is_counted_not_the_clients_error() -> None:
+async def test_an_unreachable_prefill_engine_is_a_failed_transfer_not_the_clients_error() -> None:
     async with TwinServer(_config("decode"), timer=FixedStepTimer(0.01)) as decode:
         params = {"do_remote_prefill": True, "do_remote_decode": False,
                   "remote_engine_id": "gone", "remote_block_ids": [1, 2],
@@ -214,12 +214,114 @@ async def test_failed_release_is_counted_not_the_clients_error() -> None:
         body = {"prompt": PROMPT[:40], "max_tokens": 2, "kv_transfer_params": params}
         status, out = await _post(decode.url + "/v1/completions", body)
         assert status == 200 and out["usage"]["completion_tokens"] == 2
+        m = await _metrics(decode.url)
+        assert m["vllm:nixl_num_failed_transfers_total"] == 1
+        assert m["vllm:nixl_xfer_time_seconds_count"] == 0  # recomputed, nothing pulled
+        assert m["vllm:nixl_num_failed_notifications_total"] == 0  # no release to send
+
+
+async def test_failed_release_is_counted_not_the_clients_error() -> None:
+    """The hold expires during the modelled transfer (~0.34 s): the pull found it, the
+    release does not."""
+    timer = FixedStepTimer(0.01)
+    async with (
+        TwinServer(_config("prefill", kv_hold_timeout_s=0.2), timer=timer) as prefill,
+        TwinServer(_config("decode", kv_link="network"), timer=timer) as decode,
+    ):
+        params = await _prefill_leg(prefill, "slow-pull")
+        body = {"prompt": PROMPT, "max_tokens": 2, "kv_transfer_params": params}
+        status, out = await _post(decode.url + "/v1/completions", body)
+        assert status == 200 and out["usage"]["completion_tokens"] == 2
 
         async def counted() -> bool:
             m = await _metrics(decode.url)
             return m["vllm:nixl_num_failed_notifications_total"] == 1
 
         await _eventually(counted)
+        m = await _metrics(decode.url)
+        assert m["vllm:nixl_xfer_time_seconds_count"] == 1
+        assert m["vllm:nixl_num_failed_transfers_total"] == 0
+
+
+async def _ttft_s(url: str, body: dict[str, Any]) -> float:
+    """Seconds to the first streamed token of ``body`` (a completion) on ``url``."""
+    start_s = time.monotonic()
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(url + "/v1/completions", json={**body, "stream": True}) as resp,
+    ):
+        assert resp.status == 200
+        async for line in resp.content:
+            if line.startswith(b"data: {"):
+                return time.monotonic() - start_s
+    raise AssertionError("no token streamed")
+
+
+async def test_a_decode_leg_whose_hold_expired_recomputes_the_prompt() -> None:
+    timer = FixedStepTimer(STEP_S)
+    async with (
+        TwinServer(_config("prefill", kv_hold_timeout_s=0.2), timer=timer) as prefill,
+        TwinServer(_config("decode", kv_link="network"), timer=timer) as decode,
+    ):
+        params = await _prefill_leg(prefill, "late")
+
+        async def expired() -> bool:
+            return await _held_blocks(prefill) == 0
+
+        await _eventually(expired)
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "kv_transfer_params": params}
+        first_s = await _ttft_s(decode.url, body)
+        # recomputed: the whole prompt's 16 chunked-prefill steps (2048 tokens each), not
+        # the transfer (~0.34 s) and one step
+        assert first_s >= 16 * STEP_S
+        d = await _metrics(decode.url)
+        assert d["vllm:nixl_num_failed_transfers_total"] == 1
+        assert d["vllm:nixl_xfer_time_seconds_count"] == 0
+        assert d["vllm:nixl_bytes_transferred_count"] == 0
+        assert d["vllm:nixl_num_failed_notifications_total"] == 0  # no release sent
+        assert (await _metrics(prefill.url))["vllm:nixl_num_kv_expired_reqs_total"] == 1
+
+
+async def test_a_second_decode_leg_for_a_released_hold_recomputes() -> None:
+    """As a gateway's decode retry on another decode engine, after the first pulled."""
+    timer = FixedStepTimer(STEP_S)
+    async with (
+        TwinServer(_config("prefill"), timer=timer) as prefill,
+        TwinServer(_config("decode", kv_link="network"), timer=timer) as decode,
+        TwinServer(_config("decode", kv_link="network"), timer=timer) as other,
+    ):
+        params = await _prefill_leg(prefill, "twice")
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "kv_transfer_params": params}
+        first_s = await _ttft_s(decode.url, body)
+        assert first_s < _transfer_s(NUM_PROMPT - 1) + 10 * STEP_S  # the KV arrived
+
+        async def released() -> bool:
+            return await _held_blocks(prefill) == 0
+
+        await _eventually(released)
+        second_s = await _ttft_s(other.url, body)  # the same params: KV already pulled
+        assert second_s >= 16 * STEP_S  # recomputed (no prefix cache there)
+        d, o = await _metrics(decode.url), await _metrics(other.url)
+        assert d["vllm:nixl_xfer_time_seconds_count"] == 1
+        assert d["vllm:nixl_num_failed_transfers_total"] == 0
+        assert o["vllm:nixl_xfer_time_seconds_count"] == 0
+        assert o["vllm:nixl_num_failed_transfers_total"] == 1
+
+
+async def test_the_pull_route_checks_the_hold(pair: tuple[TwinServer, TwinServer]) -> None:
+    prefill, _ = pair
+    url = prefill.url + "/kv_transfer/pull"
+    params = await _prefill_leg(prefill, "pulled")
+    engine_id = params["remote_engine_id"]
+    status, err = await _post(url, {"request_id": "pulled", "remote_engine_id": "other"})
+    assert status == 404 and err["error"]["param"] == "remote_engine_id"
+    status, out = await _post(url, {"request_id": "pulled", "remote_engine_id": engine_id})
+    assert status == 200 and out["num_blocks"] == len(params["remote_block_ids"])
+    assert await _held_blocks(prefill) == len(params["remote_block_ids"])  # still held
+    status, err = await _post(url, {"request_id": "nope", "remote_engine_id": engine_id})
+    assert status == 404 and err["error"]["param"] == "request_id"
+    status, err = await _post(url, {"remote_engine_id": engine_id})
+    assert status == 400 and err["error"]["param"] == "request_id"
 
 
 async def test_plain_requests_run_on_every_role(pair: tuple[TwinServer, TwinServer]) -> None:

@@ -8,8 +8,14 @@ A request body's ``kv_transfer_params`` (``engine/kv_params.py``) makes it a leg
   the decode leg needs: this twin's engine id, the block ids, the address the request
   reached (``remote_host`` / ``remote_port``), ``tp_size``, ``remote_request_id`` (the
   ``X-Request-Id`` header, else a fresh id) and ``num_tokens`` (the prompt's).
-* **decode leg** (``do_remote_prefill: true``): waits the modelled pull of the prompt's
-  KV (``TwinPd.transfer_time_s`` of all prompt tokens but the last, over
+* **decode leg** (``do_remote_prefill: true``): first checks that the prefill engine
+  still holds the KV (``POST http://remote_host:remote_port/kv_transfer/pull``, the
+  twin's stand-in for NIXL's read). When it does not (the hold expired after
+  ``--kv-hold-timeout-s``, a decode leg already released it, the prefill engine
+  restarted or does not answer) the transfer fails as vLLM's NixlConnector's does:
+  counted in ``vllm:nixl_num_failed_transfers`` and the prompt recomputed here (no
+  transferred tokens, no release sent). Otherwise it waits the modelled pull of the
+  prompt's KV (``TwinPd.transfer_time_s`` of all prompt tokens but the last, over
   ``--kv-link``), then runs with those tokens counted as computed. Once the transfer
   is over (or the leg ends early) it tells the prefill engine to free the blocks:
   ``POST http://remote_host:remote_port/kv_transfer/release`` with
@@ -19,7 +25,9 @@ A request body's ``kv_transfer_params`` (``engine/kv_params.py``) makes it a leg
 
 Routes: ``POST /kv_transfer/release`` (200 ``{"released": true, ...}``; 404 when the
 request is not held here, e.g. already expired, or the engine id is not this
-twin's) and ``GET /kv_transfer/info`` (role, engine id, link, held KV).
+twin's), ``POST /kv_transfer/pull`` (the same body and 404s; 200
+``{"request_id", "num_blocks"}``, the hold kept until its release or timeout) and
+``GET /kv_transfer/info`` (role, engine id, link, held KV).
 """
 
 from __future__ import annotations
@@ -56,8 +64,14 @@ REQUEST_ID_HEADER = "X-Request-Id"
 RELEASER_KEY: web.AppKey[KvReleaser] = web.AppKey("kv_releaser")
 
 
+def _hold_body(params: RemotePrefill) -> dict[str, str]:
+    """The body of a pull / release: the held request and its prefill engine."""
+    return {"request_id": params.remote_request_id, "remote_engine_id": params.remote_engine_id}
+
+
 class KvReleaser:
-    """Sends decode legs' releases to their prefill engines, in the background."""
+    """A decode leg's calls to its prefill engine: the pull check, and the release (in
+    the background)."""
 
     def __init__(self, metrics: KvMetrics, timeout_s: float = RELEASE_TIMEOUT_S) -> None:
         self._metrics = metrics
@@ -71,12 +85,26 @@ class KvReleaser:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _send(self, params: RemotePrefill) -> None:
+    async def pull(self, params: RemotePrefill) -> str | None:
+        """None when the prefill engine holds ``params``' KV, else why not."""
+        try:
+            session = self._session_for_calls()
+            async with session.post(params.pull_url, json=_hold_body(params)) as resp:
+                await resp.read()
+                status = resp.status
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return None if status == 200 else f"HTTP {status}"
+
+    def _session_for_calls(self) -> aiohttp.ClientSession:
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=self._timeout)
-        body = {"request_id": params.remote_request_id, "remote_engine_id": params.remote_engine_id}
+        return self._session
+
+    async def _send(self, params: RemotePrefill) -> None:
         try:
-            async with self._session.post(params.release_url, json=body) as resp:
+            session = self._session_for_calls()
+            async with session.post(params.release_url, json=_hold_body(params)) as resp:
                 await resp.read()
                 status = resp.status
         except (aiohttp.ClientError, TimeoutError) as exc:
@@ -164,8 +192,9 @@ def _bound_address(request: web.Request, twin: Twin) -> tuple[str, int]:
     return twin.config.host, twin.config.port
 
 
-def leg_of(request: web.Request, twin: Twin, body: object, num_prompt_tokens: int) -> Leg:
-    """The request's P/D leg (``PLAIN`` when it is none); a 400 naming a bad field."""
+async def leg_of(request: web.Request, twin: Twin, body: object, num_prompt_tokens: int) -> Leg:
+    """The request's P/D leg (``PLAIN`` when it is none); a 400 naming a bad field. A
+    decode leg whose prefill KV is gone recomputes its prompt (module docstring)."""
     pd = twin.pd
     if pd is None or not isinstance(body, dict):
         return PLAIN
@@ -176,6 +205,14 @@ def leg_of(request: web.Request, twin: Twin, body: object, num_prompt_tokens: in
     if isinstance(params, RemoteDecode):
         request_id = request.headers.get(REQUEST_ID_HEADER) or f"kv-{uuid.uuid4().hex}"
         return Leg(hold_request_id=request_id, _twin=twin, _releaser=releaser)
+    why = await releaser.pull(params)
+    if why is not None:
+        logger.warning(
+            "request %s: its KV is not held on %s:%d (%s); recomputing the prompt",
+            params.remote_request_id, params.remote_host, params.remote_port, why,
+        )  # fmt: skip
+        twin.metrics.kv.on_transfer_failed()
+        return PLAIN
     num_tokens = params.num_transferred_tokens(num_prompt_tokens)
     return Leg(
         num_transferred_tokens=num_tokens,
@@ -206,8 +243,31 @@ def _info(pd: TwinPd, twin: Twin) -> dict[str, object]:
     }
 
 
+async def _held_request_id(request: web.Request, pd: TwinPd) -> str:
+    """The ``request_id`` of a release / pull body; 400 / 404 naming a bad field."""
+    body = await read_json_object(request)
+    request_id = body.get("request_id")
+    if not isinstance(request_id, str) or not request_id:
+        raise RequestError("request_id must be a non-empty string", param="request_id")
+    engine_id = body.get("remote_engine_id")
+    if engine_id is not None and engine_id != pd.engine_id:
+        raise NotFoundError(
+            f"remote_engine_id {engine_id!r} is not this engine's (it restarted?)",
+            param="remote_engine_id",
+        )
+    return request_id
+
+
+def _not_held(request_id: str) -> NotFoundError:
+    return NotFoundError(
+        f"no KV held for request {request_id!r} (released, expired or never held)",
+        param="request_id",
+    )
+
+
 def add_disagg_routes(app: web.Application, twin: Twin) -> None:
-    """``POST /kv_transfer/release``, ``GET /kv_transfer/info`` and the release client."""
+    """``POST /kv_transfer/release`` / ``pull``, ``GET /kv_transfer/info`` and the client
+    a decode leg calls them with."""
     pd = twin.pd
     if pd is None:
         return
@@ -215,24 +275,19 @@ def add_disagg_routes(app: web.Application, twin: Twin) -> None:
     app[RELEASER_KEY] = releaser
 
     async def release(request: web.Request) -> web.Response:
-        body = await read_json_object(request)
-        request_id = body.get("request_id")
-        if not isinstance(request_id, str) or not request_id:
-            raise RequestError("request_id must be a non-empty string", param="request_id")
-        engine_id = body.get("remote_engine_id")
-        if engine_id is not None and engine_id != pd.engine_id:
-            raise NotFoundError(
-                f"remote_engine_id {engine_id!r} is not this engine's (it restarted?)",
-                param="remote_engine_id",
-            )
+        request_id = await _held_request_id(request, pd)
         held = pd.holds.release(request_id)
         if held is None:
-            raise NotFoundError(
-                f"no KV held for request {request_id!r} (released, expired or never held)",
-                param="request_id",
-            )
+            raise _not_held(request_id)
         answer = {"released": True, "request_id": request_id, "num_blocks": len(held.block_ids)}
         return web.json_response(answer)
+
+    async def pull(request: web.Request) -> web.Response:
+        request_id = await _held_request_id(request, pd)
+        held = pd.holds.get(request_id)
+        if held is None:
+            raise _not_held(request_id)
+        return web.json_response({"request_id": request_id, "num_blocks": len(held.block_ids)})
 
     async def info(request: web.Request) -> web.Response:
         return web.json_response(_info(pd, twin))
@@ -244,4 +299,5 @@ def add_disagg_routes(app: web.Application, twin: Twin) -> None:
 
     app.cleanup_ctx.append(lifecycle)
     app.router.add_post("/kv_transfer/release", release)
+    app.router.add_post("/kv_transfer/pull", pull)
     app.router.add_get("/kv_transfer/info", info)

@@ -3,8 +3,9 @@
 Transfers (decode side), as vLLM's NixlConnector exports them (same buckets):
 ``vllm:nixl_xfer_time_seconds`` and ``vllm:nixl_bytes_transferred`` (histograms, one
 observation per decode leg: the modelled pull of the prompt's KV, bytes over all TP
-ranks), ``vllm:nixl_num_failed_notifications`` (a release the prefill engine did not
-confirm: vLLM's D side notifies P the same way) and, prefill side,
+ranks), ``vllm:nixl_num_failed_transfers`` (a decode leg whose prefill KV was gone:
+it recomputed the prompt), ``vllm:nixl_num_failed_notifications`` (a release the
+prefill engine did not confirm: vLLM's D side notifies P the same way) and, prefill side,
 ``vllm:nixl_num_kv_expired_reqs`` (held KV freed by ``--kv-hold-timeout-s``).
 
 Read at scrape time: ``kiloserve:kv_held_blocks`` / ``kiloserve:kv_held_requests``
@@ -209,6 +210,12 @@ class KvMetrics:
             buckets=NIXL_BYTES_BUCKETS,
             registry=registry,
         ).labels(*labels)
+        self._failed_transfers = Counter(
+            "vllm:nixl_num_failed_transfers",
+            "Number of failed NIXL KV Cache transfers.",
+            _LABELS,
+            registry=registry,
+        ).labels(*labels)
         self._failed_notifications = Counter(
             "vllm:nixl_num_failed_notifications",
             "Number of failed NIXL KV Cache notifications.",
@@ -234,6 +241,11 @@ class KvMetrics:
         """A decode leg pulled ``num_bytes`` of KV in ``transfer_s`` (modelled)."""
         self._xfer_time.observe(transfer_s)
         self._bytes.observe(num_bytes)
+
+    def on_transfer_failed(self) -> None:
+        """A decode leg found its prefill's KV gone (expired, released, or the prefill
+        engine unreachable or restarted): it recomputes the prompt."""
+        self._failed_transfers.inc()
 
     def on_release_failed(self) -> None:
         """The prefill engine did not confirm a release."""

@@ -58,8 +58,17 @@ class RemotePrefill:
     @property
     def release_url(self) -> str:
         """Where the decode engine tells the prefill engine to free the blocks."""
+        return self._url("release")
+
+    @property
+    def pull_url(self) -> str:
+        """Where the decode engine starts reading the blocks (the twin's stand-in for
+        NIXL's read: 404 when the prefill engine no longer holds them)."""
+        return self._url("pull")
+
+    def _url(self, action: str) -> str:
         host = f"[{self.remote_host}]" if ":" in self.remote_host else self.remote_host
-        return f"http://{host}:{self.remote_port}/kv_transfer/release"
+        return f"http://{host}:{self.remote_port}/kv_transfer/{action}"
 
     def num_transferred_tokens(self, num_prompt_tokens: int) -> int:
         """Prompt tokens whose KV arrives: all but the last (recomputed for its logits,

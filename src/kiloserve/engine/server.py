@@ -171,7 +171,7 @@ async def _generate(request: web.Request, parser: Parser) -> web.StreamResponse:
             return _error(status, "injected fault (kiloserve engine twin)", err_type)
         gen = parser(body, twin.tokenize)
         _check_model(twin, gen.model)
-        leg = leg_of(request, twin, body, len(gen.prompt_token_ids))  # P/D kv_transfer_params
+        leg = await leg_of(request, twin, body, len(gen.prompt_token_ids))  # P/D (KV pull)
         track_lora = start_lora_request(twin, gen.model)  # engine/lora_routes.py
         if gen.n > 1:  # one sequence per choice, as vLLM's parallel sampling
             return await generate_n(request, twin, gen, entry, PROBE_HEADER in request.headers)
