@@ -33,6 +33,11 @@ client's answer, as the proxy passes 4xx through. After the first byte the proxy
 mid-stream failover applies; a continuation carries no KV params (``gateway/migrate.py``),
 so it goes to the other decode backends, then ``both``, then ``prefill`` ones.
 
+Deadline: the legs and fallbacks share one ``request_timeout_s``, counted from the
+split's start: the decode leg and any whole-request fallback get what the prefill leg
+left, and a request past it gets the gateway's 504 (``GatewayTimeoutError``) with no
+further leg sent.
+
 Accounting: each leg is an attempt on its backend (``Router.dispatch`` ...
 ``complete``): the prefill backend holds the request in flight during its leg (a
 one-token request), the decode backend counts the transferred prompt tokens as cached.
@@ -53,7 +58,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from kiloserve.errors import BackendError, BadGatewayError
+from kiloserve.errors import BackendError, BadGatewayError, GatewayTimeoutError
 from kiloserve.gateway.api_hooks import HOOKS_KEY
 from kiloserve.gateway.headers import (
     REQUEST_ID_HEADER,
@@ -283,17 +288,30 @@ async def _whole(
     info: RequestInfo,
     plan: SplitPlan,
     first: tuple[str, ...],
+    deadline: float,
     skip: frozenset[str] = frozenset(),
 ) -> web.StreamResponse:
     """The ``fallback``: the client's request, whole, to ``first`` then the rest of the
-    unsplit ranking, leaving out ``skip`` (when that leaves any)."""
+    unsplit ranking, leaving out ``skip`` (when that leaves any), by ``deadline``."""
+    _check_deadline(ctx, info, deadline)
     ctx.metrics.disagg("fallback")
     decision = plan.fallback or ctx.router.decide(info, time.monotonic())
     ranked = [b for b in (*first, *decision.ranked) if b not in skip]
     ordered = tuple(dict.fromkeys(ranked)) or decision.ranked
     if not ordered:
         ordered = plan.decode
-    return await forward(ctx, request, path, body, raw, info, decision.replaced(ranked=ordered))
+    ordered_decision = decision.replaced(ranked=ordered)
+    return await forward(ctx, request, path, body, raw, info, ordered_decision, deadline=deadline)
+
+
+def _check_deadline(ctx: ProxyContext, info: RequestInfo, deadline: float) -> None:
+    """504 (``GatewayTimeoutError``) once the split's deadline has passed (its legs and
+    fallbacks share one ``request_timeout_s``), counted as the request's answer."""
+    if asyncio.get_running_loop().time() < deadline:
+        return
+    ctx.metrics.request_done(info.model, "", GatewayTimeoutError.status)
+    timeout_s = ctx.cfg.request_timeout_s
+    raise GatewayTimeoutError(f"the request ran past its {timeout_s:g} s (request_timeout_s)")
 
 
 def _continuations(ctx: ProxyContext, info: RequestInfo, plan: SplitPlan) -> tuple[str, ...]:
@@ -321,7 +339,8 @@ async def forward_split(
         return got
     if got is None:
         logger.warning("request_id=%s every prefill leg failed: whole request", info.request_id)
-        return await _whole(ctx, request, path, body, raw, info, plan, plan.decode)
+        return await _whole(ctx, request, path, body, raw, info, plan, plan.decode, deadline)
+    _check_deadline(ctx, info, deadline)  # the decode leg gets what the prefill left
     decode_body = {**body, "kv_transfer_params": got} if got else body
     # ranked now, not at the arrival: the decode legs sent while this prefill ran are
     # in flight on their backends (ranked at the arrival, overlapping prefills would
@@ -336,7 +355,7 @@ async def forward_split(
     try:
         resp = await forward(
             ctx, request, path, decode_body, orjson.dumps(decode_body), info, decode,
-            continue_on=_continuations(ctx, info, plan),
+            continue_on=_continuations(ctx, info, plan), deadline=deadline,
         )  # fmt: skip
     except BadGatewayError:  # no decode backend answered (the 504 subclass too)
         resp = None
@@ -345,4 +364,4 @@ async def forward_split(
         return resp
     logger.warning("request_id=%s every decode leg failed: whole request", info.request_id)
     tried = frozenset(plan.decode[: ctx.cfg.retries + 1])
-    return await _whole(ctx, request, path, body, raw, info, plan, (), tried)
+    return await _whole(ctx, request, path, body, raw, info, plan, (), deadline, tried)

@@ -549,10 +549,14 @@ async def forward(
     info: RequestInfo,
     decision: Decision,
     continue_on: tuple[str, ...] | None = None,
+    deadline: float | None = None,
 ) -> web.StreamResponse:
     """Send the request to the decision's backends in rank order until one answers
-    (a cut stream continues on ``continue_on``, default the same backends)."""
+    (a cut stream continues on ``continue_on``, default the same backends), by
+    ``deadline`` (loop time; default ``request_timeout_s`` from now)."""
     loop = asyncio.get_running_loop()
+    if deadline is None:
+        deadline = loop.time() + ctx.cfg.request_timeout_s
     hooks: ApiHooks | None = request.get(HOOKS_KEY)  # an agent-era API's: sent as it came
     payload, is_stream, strip_usage = (
         stream_payload(body, raw) if hooks is None else (raw, body.get("stream") is True, False)
@@ -560,7 +564,7 @@ async def forward(
     user = body.get("user")
     call = _Call(
         request, path, payload, info, user if isinstance(user, str) else None,
-        is_stream, strip_usage, loop.time() + ctx.cfg.request_timeout_s, loop,
+        is_stream, strip_usage, deadline, loop,
     )  # fmt: skip
     call.cached_blocks, call.hooks = decision.cached_blocks, hooks
     call.trace = request[TRACE_KEY] if ctx.is_traced else None
