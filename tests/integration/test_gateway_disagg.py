@@ -382,13 +382,16 @@ async def test_client_gone_during_the_prefill_leg_frees_every_count() -> None:
 async def test_decode_backend_is_chosen_when_the_prefill_leg_is_done() -> None:
     """Requests whose prefill legs overlap spread over the decode backends: each decode
     leg is ranked when its prefill answer is in, so it sees the decode legs sent before
-    it in flight (ranked at arrival, every one of them would pick the same backend)."""
+    it in flight (ranked at arrival, every one of them would pick the same backend).
+    The decode legs stream for 3 s, so they all overlap even when a busy box staggers
+    the prefill answers (non-streamed, they ended at once: 2 of ~14 loaded runs saw a
+    decode leg end before the next prefill answer, and the next leg chose its backend)."""
     p = PdFake(prefill_s=0.3)
-    d1, d2 = PdFake(num_chunks=3, chunk_delay_s=0.3), PdFake(num_chunks=3, chunk_delay_s=0.3)
+    d1, d2 = PdFake(num_chunks=3, chunk_delay_s=1.0), PdFake(num_chunks=3, chunk_delay_s=1.0)
     async with fake_backends(p, d1, d2):
         cfg = _pd_config(("p", "prefill", p), ("d1", "decode", d1), ("d2", "decode", d2))
         async with running_gateway(cfg) as gw:
-            body = {"model": "m", "prompt": LONG_PROMPT, "max_tokens": 3}
+            body = {"model": "m", "prompt": LONG_PROMPT, "max_tokens": 3, "stream": True}
             got = await asyncio.gather(*(_post(gw, body, rid=f"r{i}") for i in range(4)))
     assert [status for status, _, _ in got] == [200] * 4
     served = sorted(headers["x-kiloserve-backend"] for _, headers, _ in got)
