@@ -18,7 +18,8 @@ middleware (``gateway/errors.py``).
 * ``POST /admin/reload``                  reload the config file (``gateway/reload.py``)
 * ``GET  /admin/config``                  the effective config, secrets redacted, plus
   ``kv_events`` (per publishing backend: mode, endpoints, counters, blocks;
-  docs/kv-events.md) and ``tokenizer_modes`` (model -> exact / approximate)
+  docs/kv-events.md), ``tokenizer_modes`` (model -> exact / approximate) and
+  ``tokenizer_piece_cache`` (per exact model: its piece cache, ``ExactTokenizer.describe``)
 
 Both GET answers carry ``"deployment": {"version", "config_hash"}`` (S5.5): the
 kiloserve version and a hash of the effective config (the same values as the
@@ -174,6 +175,7 @@ def add_admin_routes(
     *,
     kv_events: Callable[[], Mapping[str, Any]] = dict,
     tokenizer_modes: Callable[[], Mapping[str, str]] = dict,
+    tokenizer_piece_cache: Callable[[], Mapping[str, Any]] = dict,
 ) -> None:
     """Register the ``/admin/`` routes on ``app``; with ``metrics_token`` set, guard
     ``/metrics`` (a middleware after the error middleware, so refusals are JSON).
@@ -199,6 +201,7 @@ def add_admin_routes(
             "deployment": deployment_record(live.cfg),
             "kv_events": dict(kv_events()),
             "tokenizer_modes": dict(tokenizer_modes()),
+            "tokenizer_piece_cache": dict(tokenizer_piece_cache()),
         })  # fmt: skip
 
     def drain_handler(draining: bool) -> _Handler:

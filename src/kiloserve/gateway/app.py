@@ -50,6 +50,7 @@ from kiloserve.errors import (
     clip,
 )
 from kiloserve.gateway.admin import LIVE_CONFIG_KEY, add_admin_routes, config_hash
+from kiloserve.gateway.admission.auth import ApiKey, KeyStore
 from kiloserve.gateway.admission.gate import FLOW_KEY, install_flow_control
 from kiloserve.gateway.body_checks import check_stream_fields
 from kiloserve.gateway.config import GatewayConfig
@@ -65,7 +66,7 @@ from kiloserve.gateway.kvevents import KvEventSubscriber
 from kiloserve.gateway.limits import BodyBudget, accept_error_filter, make_runner
 from kiloserve.gateway.lora import LORA_KEY, install_lora
 from kiloserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics
-from kiloserve.gateway.model_cards import model_cards
+from kiloserve.gateway.model_cards import ModelCardCache
 from kiloserve.gateway.output_history import install_output_history
 from kiloserve.gateway.peers import install_peers
 from kiloserve.gateway.profile import Profiler
@@ -123,6 +124,7 @@ METRICS_KEY = web.AppKey("kiloserve_gateway_metrics", GatewayMetrics)
 _TASKS_KEY = web.AppKey("kiloserve_gateway_tasks", list)
 _SESSION_KEY = web.AppKey("kiloserve_gateway_session", aiohttp.ClientSession)
 _IDS_KEY = web.AppKey("kiloserve_gateway_ids", _RequestIds)
+_CARDS_KEY = web.AppKey("kiloserve_gateway_model_cards", ModelCardCache)
 RESILIENCE_KEY = web.AppKey("kiloserve_gateway_resilience", Resilience)
 BODY_BUDGET_KEY = web.AppKey("kiloserve_gateway_bodies", BodyBudget)
 KV_EVENTS_KEY = web.AppKey("kiloserve_gateway_kv_events", KvEventSubscriber)
@@ -265,10 +267,16 @@ def _parse_body(
     return body, raw
 
 
-async def _check_model(app: web.Application, model: str, rid: str) -> None:
+async def _check_model(app: web.Application, model: str, rid: str, key: ApiKey | None) -> None:
+    """404 when no backend serves ``model`` and it is no known LoRA adapter; 403 when the
+    API key may not use it, before any adapter load on its behalf; a known adapter no
+    backend holds is then loaded (404 when that fails)."""
     table = app[TABLE_KEY]
-    if LORA_KEY in app:  # a known LoRA adapter no backend holds is loaded first
-        await app[LORA_KEY].ensure(model, rid)
+    lora = app.get(LORA_KEY)
+    if table.serves(model) or (lora is not None and model in lora.catalog):
+        KeyStore.check_model(key, model)
+        if lora is not None:
+            await lora.ensure(model, rid)
     if not table.serves(model):
         served = ", ".join(table.served_models()) or "(none yet)"
         raise NotFoundError(
@@ -300,12 +308,12 @@ async def _proxy(request: web.Request, path: str) -> web.StreamResponse:
                 size > EXACT_OFFLOAD_BYTES and ctx.profiler.has_tokenizers
             ):
                 body, sent = _parse_body(raw, ctx.profiler.pick_model, request.headers)
-                await _check_model(request.app, body["model"], rid)
+                await _check_model(request.app, body["model"], rid, key)
                 info = ctx.profiler.profile(rid, api_view(request, body, rid), request.headers)
             else:  # a large prompt: let other requests run between the long steps
                 await asyncio.sleep(0)
                 body, sent = _parse_body(raw, ctx.profiler.pick_model, request.headers)
-                await _check_model(request.app, body["model"], rid)
+                await _check_model(request.app, body["model"], rid, key)
                 await asyncio.sleep(0)
                 view = api_view(request, body, rid)  # agent-era APIs: a chat-shaped view
                 info = await ctx.profiler.profile_async(rid, view, request.headers)
@@ -372,9 +380,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    app = request.app
-    timeout_s = app[CTX_KEY].cfg.connect_timeout_s
-    data = await model_cards(app[_SESSION_KEY], app[TABLE_KEY], timeout_s)
+    app, cfg = request.app, request.app[CTX_KEY].cfg
+    data = await app[_CARDS_KEY].get(
+        app[_SESSION_KEY], app[TABLE_KEY], cfg.connect_timeout_s, cfg.model_cards_ttl_s
+    )
     return _json({"object": "list", "data": data})
 
 
@@ -512,6 +521,7 @@ def create_gateway_app(cfg: GatewayConfig, *, policy: Policy | None = None) -> w
     )
     profiler = Profiler(cfg)
     gw_metrics.tokenizer_modes = _tokenizer_modes(profiler)
+    gw_metrics.tokenizer_piece_cache = profiler.tokenizer_piece_cache
     gw_metrics.prefix_index_fill = _prefix_index_fill(chosen)
     ctx = ProxyContext(
         cfg=cfg,
@@ -537,6 +547,7 @@ def create_gateway_app(cfg: GatewayConfig, *, policy: Policy | None = None) -> w
     app[METRICS_KEY] = gw_metrics
     app[_TASKS_KEY] = []
     app[_IDS_KEY] = _RequestIds()
+    app[_CARDS_KEY] = ModelCardCache()
     app[RESILIENCE_KEY] = Resilience(cfg, router, gw_metrics)
     app[BODY_BUDGET_KEY] = BodyBudget(cfg.max_buffered_body_bytes)
     app[_LOOP_HANDLER_KEY] = []
@@ -555,6 +566,7 @@ def create_gateway_app(cfg: GatewayConfig, *, policy: Policy | None = None) -> w
         chosen.name,
         kv_events=kv_events.describe,
         tokenizer_modes=gw_metrics.tokenizer_modes,
+        tokenizer_piece_cache=gw_metrics.tokenizer_piece_cache,
     )
     add_dashboard_routes(app, ctx, app[RESILIENCE_KEY].describe)
     install_flow_control(app, ctx, cfg)

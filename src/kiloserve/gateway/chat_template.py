@@ -54,7 +54,7 @@ from kiloserve.gateway.chat_messages import (
     request_flag,
     template_kwargs,
 )
-from kiloserve.gateway.exact_tokens import ExactTokenizer
+from kiloserve.gateway.exact_tokens import SELF_CHECK_EVERY, ExactTokenizer
 
 __all__ = ["ChatTemplate", "ExactTokenizer", "load_exact_tokenizer"]
 
@@ -425,9 +425,15 @@ def _add_special_tokens(tok: Any, config: Mapping[str, Any], specials: Mapping[s
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
 
 
-def load_exact_tokenizer(tokenizer_path: str, chat_template_path: str | None) -> ExactTokenizer:
+def load_exact_tokenizer(
+    tokenizer_path: str,
+    chat_template_path: str | None,
+    name: str = "",
+    self_check_every: int = SELF_CHECK_EVERY,
+) -> ExactTokenizer:
     """The tokenizer at ``tokenizer_path`` and the chat template (see the module
-    docstring for where it comes from); ``ConfigError`` when either cannot be loaded."""
+    docstring for where it comes from); ``ConfigError`` when either cannot be loaded.
+    ``name`` (the model, for logs) and ``self_check_every``: the piece cache's."""
     try:
         from tokenizers import Tokenizer
     except ImportError as exc:  # pragma: no cover - the 'tokenizer' extra
@@ -443,5 +449,5 @@ def load_exact_tokenizer(tokenizer_path: str, chat_template_path: str | None) ->
     source, tool_use = _template_sources(folder, config, chat_template_path)
     if source is None:
         log.warning("no chat template for %s: chat prompts are counted approximately", folder)
-        return ExactTokenizer(tok, None)
-    return ExactTokenizer(tok, ChatTemplate(source, specials, tool_use))
+    template = ChatTemplate(source, specials, tool_use) if source is not None else None
+    return ExactTokenizer(tok, template, name=name, self_check_every=self_check_every)

@@ -68,10 +68,13 @@ class ModelConfig(_Strict):
     """Per-model settings: an optional HuggingFace ``tokenizer.json`` path (exact token
     ids, docs/gateway.md "Tokens") and a chat template file (a jinja file, as vLLM's
     ``--chat-template``; default: ``chat_template.jinja`` or the ``chat_template`` of
-    ``tokenizer_config.json`` next to the tokenizer, read with its special tokens)."""
+    ``tokenizer_config.json`` next to the tokenizer, read with its special tokens);
+    ``tokenizer_self_check_every``: one prompt in this many that the exact tokenizer's
+    piece cache cut is also encoded whole and compared (0: never; gateway/exact_tokens.py)."""
 
     tokenizer: str | None = None
     chat_template: str | None = None
+    tokenizer_self_check_every: int = Field(500, ge=0)
 
     @model_validator(mode="after")
     def _template_needs_tokenizer(self) -> ModelConfig:
@@ -91,6 +94,8 @@ class GatewayConfig(_Strict):
     stale_after_s: float = Field(default=1.0, gt=0.0)
     max_scrape_failures: int = Field(default=3, ge=1)
     discovery_interval_s: float = Field(default=5.0, gt=0.0)
+    # GET /v1/models reuses the merged cards this long (0: ask live; model_cards.py)
+    model_cards_ttl_s: float = Field(default=5.0, ge=0.0)
     retries: int = Field(default=2, ge=0)
     connect_timeout_s: float = Field(default=2.0, gt=0.0)
     first_byte_timeout_s: float = Field(default=60.0, gt=0.0)

@@ -24,7 +24,9 @@ per backend ``kiloserve_kv_events_total``, ``_kv_event_batches_total``,
 and losses), ``_kv_event_restarts_total``, ``_kv_event_bad_messages_total`` and
 ``kiloserve_kv_index_mode{backend, mode}`` (1 for the current mode, 0 for the other);
 ``kiloserve_kv_index_blocks`` (distinct blocks in the exact index) and
-``kiloserve_tokenizer_mode{model, mode}`` (from ``tokenizer_modes``, set by the app).
+``kiloserve_tokenizer_mode{model, mode}`` (from ``tokenizer_modes``, set by the app) and
+``kiloserve_tokenizer_piece_cache{model}`` (1 while an exact tokenizer's piece cache is on;
+0 when off: never on, or turned off by its runtime self-check; ``tokenizer_piece_cache``).
 With a policy that keeps the approximate prefix index (``default``, ``scored``,
 ``prefix_affinity``): ``kiloserve_prefix_index_blocks`` and
 ``kiloserve_prefix_index_max_blocks`` (its cap; from ``prefix_index_fill``, set by the
@@ -238,7 +240,14 @@ class _KvCollector(Collector):
         for model, tok_mode in sorted(self._m.tokenizer_modes().items()):
             for name in dict.fromkeys((*_KV_MODES, tok_mode)):
                 tokenizer.add_metric([model, name], 1.0 if name == tok_mode else 0.0)
-        yield from (mode, blocks, tokenizer)
+        pieces = GaugeMetricFamily(
+            "kiloserve_tokenizer_piece_cache",
+            "1 while the model's exact tokenizer caches prompt pieces, 0 when it is off",
+            labels=["model"],
+        )
+        for model, state in sorted(self._m.tokenizer_piece_cache().items()):
+            pieces.add_metric([model], 1.0 if state.get("state") == "on" else 0.0)
+        yield from (mode, blocks, tokenizer, pieces)
         fill = self._m.prefix_index_fill()
         if fill is not None:
             num, cap = fill
@@ -344,6 +353,8 @@ class GatewayMetrics:
         self.kv_bad_messages: dict[str, int] = {}
         # model -> "exact" | "approximate" (the app sets the profiler's)
         self.tokenizer_modes: Callable[[], Mapping[str, str]] = dict
+        # model -> its exact tokenizer's piece cache state (ExactTokenizer.describe)
+        self.tokenizer_piece_cache: Callable[[], Mapping[str, Mapping[str, Any]]] = dict
         # (blocks, cap) of the policy's approximate prefix index, None without one
         self.prefix_index_fill: Callable[[], tuple[int, int] | None] = lambda: None
         self.registry.register(_HotPathCollector(self))

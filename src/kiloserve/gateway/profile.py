@@ -235,8 +235,7 @@ def _exact_ids(tok: ExactTokenizer, body: Mapping[str, Any]) -> list[int]:
 
 def _load_tokenizers(cfg: GatewayConfig) -> dict[str, ExactTokenizer]:
     """Model -> its exact tokenizer, for the models with ``tokenizer`` configured."""
-    paths = {name: (m.tokenizer, m.chat_template) for name, m in cfg.models.items()}
-    configured = {name: (t, c) for name, (t, c) in paths.items() if t is not None}
+    configured = {name: m for name, m in cfg.models.items() if m.tokenizer is not None}
     if not configured:
         return {}
     try:
@@ -245,7 +244,11 @@ def _load_tokenizers(cfg: GatewayConfig) -> dict[str, ExactTokenizer]:
         raise ConfigError(
             "models.*.tokenizer needs the 'tokenizer' extra (tokenizers, jinja2)"
         ) from exc
-    return {name: load_exact_tokenizer(t, c) for name, (t, c) in configured.items()}
+    return {
+        name: load_exact_tokenizer(m.tokenizer, m.chat_template, name, m.tokenizer_self_check_every)
+        for name, m in configured.items()
+        if m.tokenizer is not None
+    }
 
 
 def _max_tokens(body: Mapping[str, Any]) -> int | None:
@@ -299,6 +302,15 @@ class Profiler:
         every model with settings (``models.<name>``)."""
         return {m: "exact" if m in self._tokenizers else "approximate" for m in self._models}
 
+    def exact_tokenizer(self, model: str) -> ExactTokenizer | None:
+        """The model's exact tokenizer (None: the model counts approximately)."""
+        return self._tokenizers.get(model)
+
+    def tokenizer_piece_cache(self) -> dict[str, dict[str, Any]]:
+        """Model -> its exact tokenizer's piece cache (``ExactTokenizer.describe``:
+        ``state`` on / off, where it cuts, why not), for the models in exact mode."""
+        return {m: tok.describe() for m, tok in sorted(self._tokenizers.items())}
+
     def _hashes(self, ids: list[int], seed: int) -> tuple[int, ...]:
         head = ids[: self._max_prefix_tokens]
         return tuple(prefix_block_hashes(head, self._block_size, seed))
@@ -312,6 +324,9 @@ class Profiler:
         prompt = _approximate_prompt(body)
         if isinstance(prompt, list):
             return len(prompt), self._hashes(prompt, seed)
+        if len(prompt) <= self._max_prefix_tokens * MAX_PIECE_CHARS:
+            ids = tokenize(prompt)  # all of it is hashed: count and ids in one pass
+            return len(ids), self._hashes(ids, seed)
         num_tokens = count_tokens(prompt)
         if num_tokens < self._block_size:  # not one full block: no hashes to compute
             return num_tokens, ()
