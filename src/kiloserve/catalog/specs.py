@@ -90,6 +90,12 @@ class GpuSpec:
         """Device memory in bytes (``memory_gb`` read as GiB)."""
         return int(self.memory_gb * GIB)
 
+    @property
+    def prefill_tflops(self) -> float:
+        """Effective dense BF16 prefill TFLOPS of one GPU (``tflops_bf16 x prefill_mfu``):
+        the step-time model's compute-bound prefill rate (``engine/timing.py``), per GPU."""
+        return self.tflops_bf16 * self.prefill_mfu
+
     def peak_flops(self, quant: str = "bf16") -> float:
         """Dense peak FLOP/s for ``quant``: fp8 uses the fp8 peak where the card has one.
 

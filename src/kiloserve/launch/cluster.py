@@ -160,6 +160,7 @@ def gateway_config(cfg: ClusterConfig, backends: list[BackendInfo], port: int) -
                 "weight": b.weight,
                 "engine": METRIC_DIALECTS[b.engine],
                 "kv_capacity_tokens": b.kv_capacity_tokens or None,
+                **_tp_key(b),
                 **_role_key(b),
                 **_kv_events_keys(b),
                 **_node_metrics_key(b),
@@ -169,6 +170,12 @@ def gateway_config(cfg: ClusterConfig, backends: list[BackendInfo], port: int) -
     }
     out.update(gw.options)
     return out
+
+
+def _tp_key(backend: BackendInfo) -> dict[str, int]:
+    """The gateway's ``tp`` key (its default, 1, is left out): with ``gpu`` it gives
+    the routing table a replica's prefill capability (the ``ttft`` scorer's prior)."""
+    return {} if backend.tp == 1 else {"tp": backend.tp}
 
 
 def _role_key(backend: BackendInfo) -> dict[str, str]:

@@ -22,7 +22,8 @@ request that met a cold connection or a short prompt whose TTFT is all fixed cos
 (26 tokens in 51 ms reads 2 ms a token) made a GPU type look many times slower than
 it is; nothing was sent there again, so nothing corrected it (issue 14, live: two H100
 twins got 1 request each of 300 on multi-turn chats). Until then the backend's speed is
-unknown and the policies fill it in from the others.
+unknown and the ``ttft`` scorer takes its GPU type's learned speed, else a prior from
+the catalog (``scorers._prefill_speeds``).
 """
 
 from __future__ import annotations

@@ -96,6 +96,10 @@ class BackendState:
     kv_capacity_tokens: int | None = None
     role: str = "both"  # prefill | decode | both: disaggregated serving (routing/disagg.py)
     max_num_seqs: int | None = None
+    # effective prefill TFLOPS of the replica (GPU type's dense BF16 TFLOPS x prefill
+    # MFU x TP, from the catalog: routing/table.py); None when the GPU is not in the
+    # catalog. The ``ttft`` scorer's prior for a young backend's prefill speed.
+    prefill_capability: float | None = None
     # health (fault-tolerance layer)
     healthy: bool = True
     draining: bool = False

@@ -17,14 +17,18 @@ lowers them; unknown scraped state scores 0 (saturated), never 1.
 * ``session``: 1 for the backends of the group the session key hashes to, else 0.
 * ``weight``: ``weight * effective_weight`` / the pool's largest.
 * ``ttft``: ``min_pred / pred`` over the pool, ``pred`` being the predicted time to
-  first token: the backend's learned prefill speed (``accounting.prefill_ms_per_token``;
-  unknown takes the pool median) times the prefill work it would have (outstanding
-  prefill tokens plus this request's tokens not already cached there, from the prefix
-  index), divided by capacity weight. Long prompts go to fast, idle prefills. A
-  backend at or past ``SATURATED_SHARE`` (0.9) of ``max_num_seqs``, or of its KV cache
-  while it is queueing (see ``_saturations``; unknown counts as saturated), gets no
-  prefix credit and its work is divided by ``1 - saturation`` (it will queue or
-  preempt).
+  first token: the backend's learned prefill speed (``accounting.prefill_ms_per_token``,
+  the median of its GPU type's; see ``_prefill_speeds``) times the prefill work it
+  would have (outstanding prefill tokens plus this request's tokens not already cached
+  there, from the prefix index), divided by capacity weight. While a backend's type
+  has learned nothing (young), its speed is a prior from the catalog: the learned
+  types' speeds scaled by the ratio of the replicas' ``prefill_capability`` (GPU
+  TFLOPS x prefill MFU x TP; geometric mean over the learned types); without a
+  capability, the pool median of the learned speeds. Long prompts go to fast, idle
+  prefills. A backend at or past ``SATURATED_SHARE`` (0.9) of ``max_num_seqs``, or of
+  its KV cache while it is queueing (see ``_saturations``; unknown counts as
+  saturated), gets no prefix credit and its work is divided by ``1 - saturation`` (it
+  will queue or preempt).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Literal
+from typing import Literal, cast
 
 from kiloserve.policies.accounting import MIN_TTFT_SAMPLES
 from kiloserve.policies.base import BackendState, RequestInfo
@@ -167,14 +171,19 @@ def _median(values: list[float]) -> float:
     return values[len(values) // 2]
 
 
-def _group_speeds(pool: list[BackendState]) -> list[float | None]:
+def _group_speeds(pool: list[BackendState]) -> tuple[list[float | None], dict[str, float]]:
     """Learned prefill speed per backend, pooled over backends of the same GPU type.
 
     Backends on the same hardware run at the same speed; one backend's EWMA is noisy,
     and with hundreds of backends the luckiest estimate would draw every request
-    (herding). The median of the group's estimates is both steadier and truer.
-    Backends without a GPU label are shrunk halfway (geometric mean) towards the
-    median of the unlabelled ones. (``accounting.prefill_ms_per_token`` is inlined.)
+    (herding). The median of the group's estimates is both steadier and truer. Where
+    the backends carry a ``prefill_capability`` (the table fills it from the catalog,
+    TP included), the group pools ``speed x capability`` and each backend takes that
+    median divided by its own capability: a TP2 and a TP4 replica of one GPU type
+    share what they learned, each at its own speed. Backends without a GPU label are
+    shrunk halfway (geometric mean) towards the median of the unlabelled ones. Returns
+    the speeds (None: the type learned nothing yet) and the medians by GPU label.
+    (``accounting.prefill_ms_per_token`` is inlined.)
     """
     own: list[float | None] = [
         ttft_ms / work
@@ -188,24 +197,81 @@ def _group_speeds(pool: list[BackendState]) -> list[float | None]:
     groups: dict[str, list[float]] = {}
     for b, speed in zip(pool, own, strict=True):
         if speed is not None:
-            group = groups.get(b.gpu)
+            gpu, cap = b.gpu, b.prefill_capability
+            if gpu and cap:
+                speed *= cap  # ms per token x TFLOPS: the same for any TP of this GPU
+            group = groups.get(gpu)
             if group is None:
-                groups[b.gpu] = [speed]
+                groups[gpu] = [speed]
             else:
                 group.append(speed)
     if not groups:
-        return own  # every speed unknown: all None either way
+        return own, {}  # every speed unknown: all None either way
     medians = {gpu: _median(v) for gpu, v in groups.items()}
-    return [
-        medians.get(b.gpu) if b.gpu else None if speed is None else math.sqrt(speed * medians[""])
+    speeds = [
+        None
+        if (median := medians.get(gpu := b.gpu)) is None
+        else (median / cap if (cap := b.prefill_capability) else median)
+        if gpu
+        else None
+        if speed is None
+        else math.sqrt(speed * median)
         for b, speed in zip(pool, own, strict=True)
     ]
+    return speeds, medians
+
+
+def _prefill_speeds(pool: list[BackendState]) -> list[float]:
+    """Every backend's prefill speed (ms per token of queued prefill work) for ``ttft``.
+
+    The learned group speed (``_group_speeds``); for a backend whose GPU type has
+    learned nothing yet, the prior from its ``prefill_capability`` and the learned
+    types (``_fill_from_capability``); without a capability, the median of the learned
+    speeds. While no type has learned anything, every speed is 1, as before the prior
+    (there is no learned speed to scale; see docs/policies.md for what ranking by
+    capability alone then did in the simulator).
+    """
+    speeds, medians = _group_speeds(pool)
+    if None not in speeds:
+        return cast("list[float]", speeds)  # the hot path: every type learned
+    if not medians:
+        return [1.0] * len(speeds)  # nothing learned anywhere: no speed to scale
+    known = sorted(x for x in speeds if x is not None)
+    fill = known[len(known) // 2]
+    _fill_from_capability(pool, speeds, medians)
+    return [fill if x is None else x for x in speeds]
+
+
+def _fill_from_capability(
+    pool: list[BackendState], speeds: list[float | None], medians: Mapping[str, float]
+) -> None:
+    """The prior for a backend whose GPU type has learned nothing yet (in place).
+
+    A learned type's median of ``speed x capability`` (``_group_speeds``) is the speed
+    of a capability of 1 as that type measured it; the geometric mean over the learned
+    labelled types with a capability, divided by the backend's own capability, is its
+    prior. So a young A100 next to learned H100s predicts ``H100 median x H100
+    capability / A100 capability``, not the H100s' speed. A backend without a
+    capability, or a pool where no learned type has one, keeps ``None`` (the pool
+    median, as before).
+    """
+    with_cap = {b.gpu for b in pool if b.gpu and b.prefill_capability}
+    log_sum, num = 0.0, 0
+    for gpu, median in medians.items():
+        if gpu in with_cap and median > 0.0:  # (NaN fails "> 0.0")
+            log_sum += math.log(median)
+            num += 1
+    if num == 0:
+        return
+    unit = math.exp(log_sum / num)
+    for i, b in enumerate(pool):
+        cap = b.prefill_capability
+        if speeds[i] is None and cap is not None and cap > 0.0:
+            speeds[i] = unit / cap
 
 
 def ttft_score(ctx: ScoringContext) -> list[float]:
-    speeds = _group_speeds(ctx.pool)
-    known = sorted(x for x in speeds if x is not None)
-    fill = known[len(known) // 2] if known else 1.0
+    speeds = _prefill_speeds(ctx.pool)
     tokens, depths, bs = ctx.request.input_tokens, ctx.prefix_depths, ctx.block_size
     preds = []
     for b, speed, sat in zip(ctx.pool, speeds, _saturations(ctx.pool), strict=True):
@@ -222,7 +288,7 @@ def ttft_score(ctx: ScoringContext) -> list[float]:
             foreign = b.num_waiting - (own_queued if own_queued > 0 else 0)
             if foreign >= MIN_FOREIGN_WAITING:
                 work *= 1.0 + WAITING_PENALTY * foreign
-        preds.append((fill if speed is None else speed) * work)
+        preds.append(speed * work)
     best = min(preds)
     return [1.0 if p <= 0.0 else best / p for p in preds]
 

@@ -27,6 +27,7 @@ class BackendConfig(BaseModel):
     name: str | None = None
     models: list[str] = Field(default_factory=list)
     gpu: str = ""
+    tp: int = Field(default=1, ge=1, le=64)  # GPUs per replica (with ``gpu``: prefill prior)
     group: str = ""
     version: str = ""
     cost_per_hour: float = Field(default=0.0, ge=0.0)

@@ -32,7 +32,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kiloserve.errors import NotFoundError
+from kiloserve.catalog.loader import get_gpu
+from kiloserve.errors import CatalogError, NotFoundError
 from kiloserve.policies.accounting import (
     EWMA_ALPHA,
     note_complete,
@@ -47,7 +48,14 @@ if TYPE_CHECKING:
     from kiloserve.routing.engine_metrics import EngineMetrics
     from kiloserve.routing.node_metrics import NodeMetrics
 
-__all__ = ["EWMA_ALPHA", "BackendRecord", "BackendTable", "LoadShare", "TableSettings"]
+__all__ = [
+    "EWMA_ALPHA",
+    "BackendRecord",
+    "BackendTable",
+    "LoadShare",
+    "TableSettings",
+    "prefill_capability",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +93,19 @@ class BackendRecord:
         return not self.config.models
 
 
+def prefill_capability(gpu: str, tp: int = 1) -> float | None:
+    """A replica's effective prefill TFLOPS: the catalog GPU's dense BF16 TFLOPS x
+    prefill MFU x ``tp`` (``GpuSpec.prefill_tflops``); None when ``gpu`` is empty or not
+    in the built-in catalog. The ``ttft`` scorer scales known prefill speeds by it."""
+    if not gpu:
+        return None
+    try:
+        spec = get_gpu(gpu)
+    except CatalogError:
+        return None
+    return spec.prefill_tflops * tp
+
+
 def _new_state(cfg: BackendConfig) -> BackendState:
     return BackendState(
         backend_id=cfg.backend_id,
@@ -98,6 +119,7 @@ def _new_state(cfg: BackendConfig) -> BackendState:
         effective_weight=1.0,  # the health factor; policies multiply by weight
         kv_capacity_tokens=cfg.kv_capacity_tokens,
         role=cfg.role,
+        prefill_capability=prefill_capability(cfg.gpu, cfg.tp),
         scrape_stale=True,
     )
 
@@ -325,7 +347,7 @@ class BackendTable:
             s, new = rec.state, _new_state(cfg)
             s.url, s.models, s.gpu, s.group = new.url, new.models, new.gpu, new.group
             s.version, s.cost_per_hour, s.weight = new.version, new.cost_per_hour, new.weight
-            s.role = new.role
+            s.role, s.prefill_capability = new.role, new.prefill_capability
             rec.config = cfg
             if rec.is_removing:
                 rec.is_removing, s.draining = False, False
