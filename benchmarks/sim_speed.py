@@ -66,6 +66,10 @@ TARGET_REQUESTS_PER_WALL_S = TARGETS_PER_WALL_S["azure-conv"]
 SEED_REQUESTS_PER_DAY_1024 = 6_200_000
 LOADS_PER_GPU = {"seed": SEED_REQUESTS_PER_DAY_1024 / 86_400 / 1024, "busy": 0.5}
 SIZES = (64, 256, 1024)
+# Requests per run unless --num-requests: a Mooncake run's memory grows with the KV
+# blocks the cluster caches (~360 KB per request at 1,024 GPUs until the caches fill:
+# 1.3 GB at 3,000 requests; 20,000 were OOM-killed at 12 GB on a 23 GB box)
+DEFAULT_REQUESTS = {"azure-conv": 20_000, "mooncake": 3_000}
 HEADER = (
     f"{'workload':<10} {'load':<5} {'GPUs':>5} {'backends':>8} {'req/s':>7} {'wall s':>7} "
     f"{'sim req/wall s':>14} {'(best)':>7} {'sim req/CPU s':>13} {'real-time x':>11} "
@@ -172,10 +176,12 @@ def run_builds(args: argparse.Namespace) -> int:
     """``--compiled`` / ``--both``: this script once per build, each in its own process."""
     if subprocess.run([sys.executable, str(ROOT / "scripts" / "build_compiled.py")]).returncode:
         return 2
-    forwarded = [f"--num-requests={args.num_requests}", f"--policy={args.policy}",
+    forwarded = [f"--policy={args.policy}",
                  f"--sizes={args.sizes}", f"--loads={args.loads}",
                  f"--repeat={args.repeat}", f"--workloads={args.workloads}",
                  f"--profile={args.profile}"]  # fmt: skip
+    if args.num_requests is not None:
+        forwarded.append(f"--num-requests={args.num_requests}")
     if args.day:
         forwarded += ["--day", f"--day-seconds={args.day_seconds}"]
     rows: dict[str, list[dict[str, float | str]]] = {}
@@ -213,7 +219,8 @@ def run_builds(args: argparse.Namespace) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--num-requests", type=int, default=20_000, help="requests per run")
+    p.add_argument("--num-requests", type=int, default=None,
+                   help="requests per run (azure-conv 20,000; mooncake 3,000)")  # fmt: skip
     p.add_argument("--repeat", type=int, default=3, help="runs per configuration")
     p.add_argument("--policy", default="round_robin", help="routing policy")
     p.add_argument("--sizes", default=",".join(map(str, SIZES)), help="GPU counts")
@@ -235,7 +242,9 @@ def main() -> int:
         return run_day(args.policy, args.day_seconds)
     build = which_build()
     base = load_cluster_config(ROOT / "examples" / "cluster-1024.yaml")
-    print(f"policy {args.policy}, {args.num_requests} requests per run, "
+    counts = {t: args.num_requests or DEFAULT_REQUESTS.get(t, 20_000)
+              for t in args.workloads.split(",")}  # fmt: skip
+    print(f"policy {args.policy}, requests per run {counts}, "
           f"{args.repeat} runs each (median; best wall rate in brackets)")  # fmt: skip
     print(HEADER)
     results = {}
@@ -243,12 +252,12 @@ def main() -> int:
         for load in args.loads.split(","):
             for size in (int(s) for s in args.sizes.split(",")):
                 cluster = scaled_cluster(base, size)
-                r = run_repeated(cluster, load, args.num_requests, args.policy, args.repeat,
+                r = run_repeated(cluster, load, counts[trace], args.policy, args.repeat,
                                  trace)  # fmt: skip
                 results[(trace, load, size)] = r
                 print(f"{trace:<10} " + row_text(load, r, build))
                 if args.profile > 0:
-                    print_profile(cluster, load, args.num_requests, args.policy, trace,
+                    print_profile(cluster, load, counts[trace], args.policy, trace,
                                   args.profile)  # fmt: skip
     for (trace, load, size), r in results.items():
         if size == 1024:
