@@ -22,6 +22,12 @@ after a preemption, as it would find its hashes. Free counts, eviction order, hi
 and block ids are exactly those of the per-block path; what is saved is per-block
 Python work (a prompt's blocks move as a few list slices).
 
+Run registration (same speed idea for shared blocks): a run of newly full blocks none
+of whose hashes is cached yet (a prompt past its hits, the common case) enters the
+hash index in one ``dict.update`` and is reported as one ``stored`` run; a run with a
+cached hash (or a hash twice) goes through the per-block loop, which decides exactly
+as before (``tests/unit/engine/test_block_manager_runs.py``).
+
 KV-cache events: a ``KvEventSink`` in ``kv_sink`` is told of every change to the hash
 index, the facts vLLM publishes with ``--kv-events-config``: each run of blocks newly
 registered by ``register_full_blocks`` (``stored``), the hashes each eviction drops
@@ -255,7 +261,11 @@ class BlockManager:
         num_full_blocks = num_tokens // self.block_size
         if not self.enable_prefix_caching or num_full_blocks <= seq.num_hashed_blocks:
             return
+        begin = seq.num_hashed_blocks
         end = self._num_shared(seq, num_full_blocks)
+        if end - begin > 1 and self._register_new_run(seq, begin, end):
+            seq.num_hashed_blocks = num_full_blocks
+            return
         sink = self.kv_sink
         if sink is not None:
             self._register_reporting(seq, end, sink)
@@ -263,13 +273,35 @@ class BlockManager:
             return
         hash_to_block, hashes = self._hash_to_block, self._hashes
         block_table, block_hashes = seq.block_table, seq.block_hashes
-        for index in range(seq.num_hashed_blocks, end):
+        for index in range(begin, end):
             block_hash = block_hashes[index]
             if block_hash not in hash_to_block:
                 block_id = block_table[index]
                 hashes[block_id] = block_hash
                 hash_to_block[block_hash] = block_id
         seq.num_hashed_blocks = num_full_blocks
+
+    def _register_new_run(self, seq: Sequence, begin: int, end: int) -> bool:
+        """Register blocks ``begin .. end - 1`` of ``seq`` as one run when none of their
+        hashes is in the index yet (the common case: a prompt's blocks past its hits);
+        False, with nothing changed, when some is (the per-block loop decides then)."""
+        run_hashes = seq.block_hashes[begin:end]
+        hash_to_block = self._hash_to_block
+        if len(run_hashes) != end - begin or not hash_to_block.keys().isdisjoint(run_hashes):
+            return False
+        num_before = len(hash_to_block)
+        run_ids = seq.block_table[begin:end]
+        hash_to_block.update(zip(run_hashes, run_ids, strict=True))
+        if len(hash_to_block) != num_before + len(run_hashes):  # a hash twice in the run
+            for block_hash in run_hashes:
+                hash_to_block.pop(block_hash, None)
+            return False
+        hashes = self._hashes
+        for block_id, block_hash in zip(run_ids, run_hashes, strict=True):
+            hashes[block_id] = block_hash
+        if self.kv_sink is not None:
+            self.kv_sink.stored(seq, begin, end)
+        return True
 
     def _register_reporting(self, seq: Sequence, end: int, sink: KvEventSink) -> None:
         """``register_full_blocks``' loop up to block ``end``, telling ``sink`` of each

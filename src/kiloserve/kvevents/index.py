@@ -27,6 +27,10 @@ local hashes (the simulator's engines), skipping the re-hash; ``match_depths`` a
 bookkeeping are the same code, except that such an index stores each block's engine
 hash as its own local hash (an ``int``, not a 1-tuple) in one loop per event: the
 simulator's long prompts store and remove hundreds of blocks per event.
+
+Holders are immutable: a block held by one backend maps to that backend's one shared
+``frozenset`` (made once per backend), so storing a block nobody else holds allocates
+nothing; a block held by several maps to its own frozenset, replaced on each change.
 """
 
 from __future__ import annotations
@@ -137,7 +141,8 @@ class KvBlockIndex:
         self.block_size = block_size
         self.hasher: LocalHasher = hasher or TokenHasher(block_size)
         self.max_blocks_per_backend = max_blocks_per_backend
-        self._holders: dict[int, set[str]] = {}
+        self._holders: dict[int, frozenset[str]] = {}
+        self._only: dict[str, frozenset[str]] = {}  # backend -> frozenset({backend})
         # per backend: engine hash -> its local hashes (an int: the hash itself, identity)
         self._blocks: dict[str, dict[EngineHash, tuple[int, ...] | int]] = {}
         self._identity = isinstance(self.hasher, IdentityHasher)
@@ -210,22 +215,40 @@ class KvBlockIndex:
             for subs in blocks.values():
                 self._release(backend_id, subs)
 
+    def _only_holder(self, backend_id: str) -> frozenset[str]:
+        """The one shared ``frozenset({backend_id})``."""
+        only = self._only.get(backend_id)
+        if only is None:
+            only = self._only[backend_id] = frozenset((backend_id,))
+        return only
+
+    def _hold(self, backend_id: str, subs: Iterable[int]) -> None:
+        """``backend_id`` holds the local blocks ``subs`` (too)."""
+        holders = self._holders
+        only = self._only_holder(backend_id)
+        for sub in subs:
+            held = holders.setdefault(sub, only)  # one lookup for a block nobody held
+            if held is not only and backend_id not in held:
+                holders[sub] = held | only
+
     def _release(self, backend_id: str, subs: tuple[int, ...] | int) -> None:
         """``backend_id`` no longer holds the local blocks ``subs``."""
-        holders = self._holders
         if isinstance(subs, int):
-            held = holders.get(subs)
-            if held is not None:
-                held.discard(backend_id)
-                if not held:
-                    del holders[subs]
+            self._release_one(backend_id, subs)
             return
         for sub in subs:
-            held = holders.get(sub)
-            if held is not None:
-                held.discard(backend_id)
-                if not held:
-                    del holders[sub]
+            self._release_one(backend_id, sub)
+
+    def _release_one(self, backend_id: str, sub: int) -> None:
+        holders = self._holders
+        held = holders.get(sub)
+        if held is None or backend_id not in held:
+            return
+        if len(held) == 1:
+            del holders[sub]
+            return
+        rest = held - self._only_holder(backend_id)
+        holders[sub] = self._only_holder(next(iter(rest))) if len(rest) == 1 else rest
 
     def _store(self, backend_id: str, event: BlockStored) -> None:
         counters = self.counters
@@ -256,15 +279,9 @@ class KvBlockIndex:
             counters.mismatched += 1
             return
         self._engine_block_sizes[backend_id] = event.block_size
-        holders = self._holders
         for engine_hash, subs in zip(event.block_hashes, per_block, strict=False):
             blocks[engine_hash] = subs
-            for sub in subs:
-                held = holders.get(sub)
-                if held is None:
-                    holders[sub] = {backend_id}
-                else:
-                    held.add(backend_id)
+            self._hold(backend_id, subs)
         counters.stored += len(per_block)
         if len(blocks) > self.max_blocks_per_backend:
             counters.overflows += 1
@@ -282,14 +299,7 @@ class KvBlockIndex:
         else:
             hashes = tuple(h for h in event.block_hashes if isinstance(h, int))
         blocks.update(zip(hashes, hashes, strict=True))
-        holders = self._holders
-        get = holders.get
-        for block_hash in hashes:
-            held = get(block_hash)
-            if held is None:
-                holders[block_hash] = {backend_id}
-            else:
-                held.add(backend_id)
+        self._hold(backend_id, hashes)
         self.counters.stored += len(hashes)
         if len(blocks) > self.max_blocks_per_backend:
             self.counters.overflows += 1

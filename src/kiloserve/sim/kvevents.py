@@ -11,6 +11,10 @@ prompts (``sim.sequence``), so the index takes engine hashes as local hashes
 (``IdentityHasher``) instead of re-hashing token ids. A dead engine's feed is lost
 (its entries dropped: routing falls back to the approximate index for it); the fresh
 engine after recovery numbers its batches from 0 again.
+
+A ``stored`` report is queued as its hashes and parent only; the ``BlockStored`` is
+made when its batch is delivered, so the events still pending when the run ends (the
+requests routed last finish after the last routing decision) cost one tuple each.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ class SimKvSink:
     def __init__(self, backend_id: str, block_size: int, outbox: list[SimKvSink]) -> None:
         self.backend_id = backend_id
         self.block_size = block_size
-        self.events: list[Event] = []
+        # in order: events, and stored blocks not yet made events: (hashes, parent)
+        self.events: list[Event | tuple[tuple[int, ...], int | None]] = []
         self.outbox = outbox
         self.next_seq = 0
 
@@ -42,8 +47,20 @@ class SimKvSink:
 
     def stored(self, seq: Sequence, begin: int, end: int) -> None:
         hashes = seq.block_hashes
-        parent = hashes[begin - 1] if begin > 0 else None
-        self._add(BlockStored(tuple(hashes[begin:end]), parent, (), self.block_size))
+        events = self.events
+        if not events:
+            self.outbox.append(self)
+        events.append((tuple(hashes[begin:end]), hashes[begin - 1] if begin > 0 else None))
+
+    def take_events(self) -> tuple[Event, ...]:
+        """The pending events, oldest first (the queue empties)."""
+        size = self.block_size
+        events = tuple(
+            BlockStored(item[0], item[1], (), size) if isinstance(item, tuple) else item
+            for item in self.events
+        )
+        self.events = []
+        return events
 
     def removed(self, block_hashes: list[int]) -> None:
         self._add(BlockRemoved(tuple(block_hashes)))
@@ -71,8 +88,7 @@ class SimKvEvents:
             return
         cache = self.cache
         for sink in outbox:
-            batch = EventBatch(0.0, tuple(sink.events))
-            sink.events = []
+            batch = EventBatch(0.0, sink.take_events())
             cache.feed(sink.backend_id).on_batch(sink.next_seq, batch)
             sink.next_seq += 1
         outbox.clear()

@@ -60,3 +60,19 @@ def test_an_identity_backend_past_its_budget_is_dropped() -> None:
     assert index.counters.overflows == 1
     assert index.match_depths([1, 2, 3]) == {"b": 2}
     assert index.num_backend_blocks("a") == 0
+
+
+def test_blocks_held_by_one_backend_share_its_one_holder_set() -> None:
+    index = KvBlockIndex(16, IdentityHasher())
+    index.apply("a", [BlockStored((1, 2, 3), None, (), 16)])
+    index.apply("b", [BlockStored((1, 2), None, (), 16)])
+    holders = index._holders
+    assert holders[3] == {"a"} and holders[1] == {"a", "b"}
+    only_a = holders[3]
+    index.apply("b", [BlockRemoved((1,))])
+    assert holders[1] is only_a and holders[2] == {"a", "b"}  # no set made per block
+    assert index.match_depths([1, 2, 3]) == {"a": 3}
+    index.apply("a", [BlockRemoved((1, 2, 3))])
+    assert dict(holders) == {2: {"b"}} and index.match_depths([2]) == {"b": 1}
+    index.apply("b", [BlockStored((2,), None, (), 16), AllBlocksCleared()])
+    assert index.num_blocks == 0

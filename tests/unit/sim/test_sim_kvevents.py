@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from kiloserve.engine.sequence import Sequence
+from kiloserve.kvevents.wire import BlockRemoved, BlockStored
 from kiloserve.launch.config import ClusterConfig, parse_cluster_config
 from kiloserve.sim import parse_fault, simulate
+from kiloserve.sim.kvevents import SimKvEvents
 from kiloserve.workload import load_workload
 
 # 20 tenants, each a 2,000-token system prompt, short unique user turns
@@ -55,3 +58,31 @@ def test_a_dead_engine_loses_its_entries_and_publishes_again_after_recovery() ->
         ],
     )
     assert back["kv_events"]["exact"] == 4  # the fresh engine numbers from 0 again
+
+
+def test_pending_stores_become_events_in_order_when_delivered() -> None:
+    events = SimKvEvents(block_size=4)
+    sink = events.new_sink("e0")
+    seq = Sequence("s", list(range(17)), 4, block_size=4)  # 4 full blocks
+    hashes = seq.block_hashes
+    sink.stored(seq, 0, 2)
+    sink.removed([hashes[0]])
+    sink.stored(seq, 2, 4)
+    assert len(sink.events) == 3 and isinstance(sink.events[0], tuple)  # not made yet
+    events.deliver()
+    assert sink.events == [] and sink.next_seq == 1
+    index = events.cache.index
+    assert index.match_depths(hashes) == {}  # block 0 was removed
+    assert index.match_depths(hashes[1:]) == {"e0": 3}
+    feed = events.cache.feed("e0")
+    assert feed.counters.events == 3 and feed.mode == "exact"
+    sink.stored(seq, 0, 1)
+    sink.removed([hashes[3]])
+    assert sink.take_events() == (
+        BlockStored((hashes[0],), None, (), 4), BlockRemoved((hashes[3],))
+    )  # fmt: skip
+    events.deliver()  # an empty batch: take_events emptied the queue
+    sink.stored(seq, 1, 3)
+    events.engine_lost("e0", sink)
+    events.deliver()  # nothing left to deliver: the lost engine's events went with it
+    assert feed.counters.batches == 2 and index.num_blocks == 0
