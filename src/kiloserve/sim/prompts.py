@@ -91,6 +91,16 @@ class IdPool:
         self._pool = list(range(_POOL_BASE, _POOL_BASE + size))
         self._size = size
 
+    @property
+    def ids(self) -> list[int]:
+        """The pool itself (read-only by convention): a run's ids after its first."""
+        return self._pool
+
+    @property
+    def half(self) -> int:
+        """Runs start at ``offset % half``, so any run up to ``half`` ids fits."""
+        return self._size // 2
+
     def run_ids(self, key: str, num_tokens: int) -> list[int]:
         """Deterministic ids of ``num_tokens`` tokens of text named ``key``."""
         return self.hashed_run_ids(_key_hash(key), num_tokens)
@@ -123,6 +133,8 @@ class PromptIds:
         self._num_turns = 0
         self._system_tokens = 0
         self._hash_ids: Mapping[int, tuple[int, ...]] = {}
+        self._keys: dict[int, int] = {}  # hash id -> its run's key hash, for one pass:
+        self._keys_pass = 0  # this one
         self._sessions: dict[str, tuple[list[int], int]] = {}
         self._pool = IdPool()
         self.run_ids = self._pool.run_ids
@@ -181,21 +193,40 @@ class PromptIds:
     def _mooncake_ids(
         self, spec: RequestSpec, num_tokens: int
     ) -> tuple[list[int], tuple[int, ...]]:
-        """The ids of the prompt's hash-id runs, and the runs' key hashes."""
+        """The ids of the prompt's hash-id runs, and the runs' key hashes.
+
+        A run is ``IdPool.hashed_run_ids`` of its key, written out here: its first id,
+        then pool ids from the key's offset on. Keys are cached per hash id for the
+        current pass (requests that share a prefix share its hash ids, and a blake2b
+        hash costs more than the rest of the run); a new pass starts a new cache, so
+        a trace repeated many times holds one pass's keys at most.
+        """
         index = _trailing_int(spec.request_id)
         hash_ids = self._hash_ids.get(index, ()) if index is not None else ()
         # A repeated trace's pass k > 0 (request id NAME-rK-INDEX) has blocks of its own.
         k = _pass_of(spec.request_id)
+        if k != self._keys_pass:
+            self._keys_pass, self._keys = k, {}
+        cache = self._keys
+        pool, half = self._pool.ids, self._pool.half
         ids: list[int] = []
         keys: list[int] = []
-        run_ids = self._pool.hashed_run_ids
+        left = num_tokens
         for h in hash_ids:
-            left = num_tokens - len(ids)
             if left <= 0:
                 break
-            key = _key_hash(f"m/{h}" if k == 0 else f"m/{h}/r{k}")
+            key = cache.get(h)
+            if key is None:
+                key = cache[h] = _key_hash(f"m/{h}" if k == 0 else f"m/{h}/r{k}")
             keys.append(key)
-            ids += run_ids(key, min(RUN_TOKENS, left))
+            rest = min(RUN_TOKENS, left) - 1
+            if rest > half:  # a pool too small for a run (never with POOL_SIZE)
+                ids += self._pool.hashed_run_ids(key, rest + 1)
+            else:
+                ids.append(key & 0xFFFF_FFFF)  # the run's first id
+                start = (key >> 32) % half
+                ids += pool[start : start + rest]
+            left -= rest + 1
         return ids, tuple(keys)
 
     def _session_ids(self, spec: RequestSpec, num_tokens: int) -> list[int]:

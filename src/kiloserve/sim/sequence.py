@@ -47,6 +47,10 @@ __all__ = ["RUN_INDEX_BITS", "RUN_TOKENS", "UNIQUE_INDEX_BITS", "SimSequence"]
 UNIQUE_INDEX_BITS = 24  # block indices below 2^24 (268 M tokens at 16 per block)
 RUN_TOKENS = BLOCK_TOKENS  # a keyed run's length (a Mooncake hash id's 512 tokens)
 RUN_INDEX_BITS = 10  # block indices within a run: below 2^10 (block sizes >= 1)
+# Output ids depend only on their index (no planned ids in the simulator), so the
+# tuple of an output block is built once per (first output index, block size).
+MAX_OUTPUT_BLOCKS = 1 << 16
+_OUTPUT_BLOCKS: dict[tuple[int, int], tuple[int, ...]] = {}
 
 
 class SimSequence(Sequence):
@@ -162,10 +166,17 @@ class SimSequence(Sequence):
                 prev = hash((prev, block))
                 hashes.append(prev)
             begin = num_full_prompt
+        is_planned = self.planned_output_token_ids is not None
         while begin < stop:
             end = begin + size
             if begin >= num_prompt:
-                block = tuple(self._next_token_ids(begin - num_prompt, end - num_prompt))
+                start = begin - num_prompt
+                cached = None if is_planned else _OUTPUT_BLOCKS.get((start, size))
+                if cached is None:
+                    cached = tuple(self._next_token_ids(start, start + size))
+                    if not is_planned and len(_OUTPUT_BLOCKS) < MAX_OUTPUT_BLOCKS:
+                        _OUTPUT_BLOCKS[start, size] = cached
+                block = cached
             else:
                 block = (*prompt[begin:], *self._next_token_ids(0, end - num_prompt))
             prev = hash((prev, block))

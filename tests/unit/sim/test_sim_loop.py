@@ -117,6 +117,33 @@ def test_a_run_restores_the_garbage_collector_settings() -> None:
     assert gc.get_freeze_count() == 0
 
 
+def test_the_loop_churn_triggers_no_young_collection() -> None:
+    """Mooncake prompts (~15 k ids each) come and go: with the loop's threshold the
+    collector stays idle (at 100 k it walked every young prompt list every ~20
+    requests)."""
+    from kiloserve.sim.simulator import GC_YOUNG_THRESHOLD
+
+    workload = load_workload("mooncake", rate=20, num_requests=400, with_prompts=False)
+    in_loop: list[int] = []
+
+    def count(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and gc.get_threshold()[0] == GC_YOUNG_THRESHOLD:
+            in_loop.append(info["generation"])
+
+    thresholds: list[int] = []  # the threshold in effect inside the loop
+    gc.callbacks.append(count)
+    try:
+        summary = simulate(
+            _cluster(), workload, "round_robin",
+            progress=lambda _: thresholds.append(gc.get_threshold()[0]),
+        ).summary  # fmt: skip
+    finally:
+        gc.callbacks.remove(count)
+    assert summary["requests_ok"] == 400
+    assert thresholds and set(thresholds) == {GC_YOUNG_THRESHOLD} and thresholds[0] >= 10**6
+    assert in_loop == []
+
+
 def test_another_seed_gives_another_random_routing() -> None:
     assert _run("random", seed=0)[1] != _run("random", seed=1)[1]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kiloserve.sim.prompts import IdPool, PromptIds
-from kiloserve.workload import load_workload
+from kiloserve.sim.prompts import IdPool, PromptIds, run_key
+from kiloserve.workload import load_workload, read_trace
 from kiloserve.workload.traces import PACKAGED_TRACES_DIR
 
 TRACES = PACKAGED_TRACES_DIR  # shipped with the package
@@ -86,3 +86,44 @@ def test_repeated_mooncake_passes_share_blocks_within_a_pass_only() -> None:
     assert _common_prefix(ids[a0.request_id], ids[a1.request_id]) >= 512
     assert _common_prefix(ids[b0.request_id], ids[b1.request_id]) >= 512
     assert _common_prefix(ids[a0.request_id], ids[b0.request_id]) == 0
+
+
+def _mooncake_reference(
+    pool: IdPool, hash_ids: tuple[int, ...], num_tokens: int, k: int
+) -> tuple[list[int], tuple[int, ...]]:
+    """A Mooncake prompt's runs as the module docstring defines them: run ``r`` is
+    ``IdPool.run_ids`` of ``m/<hash id>`` (``m/<hash id>/r<k>`` in pass k > 0)."""
+    ids: list[int] = []
+    keys: list[int] = []
+    for h in hash_ids:
+        left = num_tokens - len(ids)
+        if left <= 0:
+            break
+        name = f"m/{h}" if k == 0 else f"m/{h}/r{k}"
+        keys.append(run_key(name)[0] | run_key(name)[1] << 32)
+        ids += pool.run_ids(name, min(512, left))
+    return ids, tuple(keys)
+
+
+@pytest.mark.skipif(not TRACES.is_dir(), reason="shipped traces not present")
+def test_mooncake_prompts_are_the_runs_of_their_hash_ids() -> None:
+    """Cached keys and inlined runs give exactly the ids of the plain definition,
+    across passes and for prompts that end inside a run."""
+    n = 12_031
+    workload = load_workload("mooncake:repeat=3", num_requests=3 * n, with_prompts=False,
+                             traces_dir=TRACES)  # fmt: skip
+    prompts, pool = PromptIds(workload, TRACES), IdPool()
+    rows = [r.hash_ids for r in read_trace("mooncake", TRACES)]
+    specs = list(workload)
+    picked = specs[:400] + specs[n : n + 200] + specs[2 * n : 2 * n + 200] + specs[:50]
+    num_partial = 0
+    for spec in picked:
+        prompt = prompts.prompt(spec)
+        index = int(spec.request_id.rsplit("-", 1)[-1])
+        k = int(spec.request_id.split("-r")[1].split("-")[0]) if "-r" in spec.request_id else 0
+        ids, keys = _mooncake_reference(pool, rows[index], max(1, spec.input_tokens), k)
+        assert prompt.run_keys == keys, spec.request_id
+        assert prompt.token_ids[: len(ids)] == ids, spec.request_id
+        assert len(prompt.token_ids) == max(1, spec.input_tokens)
+        num_partial += len(ids) % 512 != 0
+    assert num_partial > 0  # some prompts end inside a run

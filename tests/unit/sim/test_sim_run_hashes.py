@@ -97,3 +97,20 @@ def test_a_mooncake_run_is_the_same_with_and_without_keyed_runs(
 
     monkeypatch.setattr(PromptIds, "_mooncake_ids", unkeyed)
     assert run() == keyed
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_output_block_hashes_are_the_tuple_chain(block_size: int) -> None:
+    """Output blocks (their tuples cached by position) hash exactly as the tuple
+    chain over the prompt and the output ids, step by step and in fused runs."""
+    prompt = list(range(1000, 1000 + 3 * block_size + 5))
+    for num_output, step in ((3 * block_size, 1), (700, 7), (700, 64), (2500, 1000)):
+        seq = SimSequence("s", list(prompt), num_output + 1, block_size=block_size)
+        for done in range(0, num_output, step):
+            seq.append_output_tokens(min(step, num_output - done))
+        tokens = prompt + seq.output_token_ids
+        expected, prev = [], 0
+        for begin in range(0, len(tokens) - block_size + 1, block_size):
+            prev = hash((prev, tuple(tokens[begin : begin + block_size])))
+            expected.append(prev)
+        assert seq.block_hashes == expected, (num_output, step)

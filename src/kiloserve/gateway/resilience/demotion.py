@@ -39,7 +39,6 @@ from __future__ import annotations
 import bisect
 import logging
 import math
-import statistics
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -90,6 +89,12 @@ class _Node:
     recovering_since_s: float | None = None
     reason: str = ""
     num_demotions_total: int = 0
+    # the windows' medians as of the last change (None: too few samples); stale after a
+    # sample comes in or goes out, recomputed by the next ``evaluate`` only then
+    ttft_median: float | None = None
+    tpot_median: float | None = None
+    is_ttft_stale: bool = False
+    is_tpot_stale: bool = False
 
 
 def _push(window: deque[tuple[float, float]], now_s: float, value: float, max_n: int) -> None:
@@ -98,28 +103,54 @@ def _push(window: deque[tuple[float, float]], now_s: float, value: float, max_n:
         window.popleft()
 
 
-def _trim(window: deque[tuple[float, float]], oldest_s: float) -> None:
+def _trim(window: deque[tuple[float, float]], oldest_s: float) -> bool:
+    """Drops the samples older than ``oldest_s``; True when any went."""
+    if not window or window[0][0] >= oldest_s:
+        return False
     while window and window[0][0] < oldest_s:
         window.popleft()
+    return True
 
 
-def _quantile(ranked: list[float], q: float) -> float:
-    """The ``q`` quantile of sorted values (0.5: ``statistics.median``)."""
+def _median(window: deque[tuple[float, float]], min_num: int) -> float | None:
+    """``statistics.median`` of the window's values (same arithmetic), None below
+    ``min_num`` samples."""
+    n = len(window)
+    if n < min_num or n == 0:
+        return None
+    ranked = sorted([v for _, v in window])
+    i = n // 2
+    return ranked[i] if n % 2 else (ranked[i - 1] + ranked[i]) / 2
+
+
+def _quantile(ranked: list[float], q: float, skip: int = -1) -> float:
+    """The ``q`` quantile of sorted values (0.5: ``statistics.median``), the value at
+    index ``skip`` left out (-1: none) without copying the list."""
+    n = len(ranked) - (skip >= 0)
+
+    def at(j: int) -> float:
+        return ranked[j + 1] if 0 <= skip <= j else ranked[j]
+
     if q == 0.5:
-        return statistics.median(ranked)
-    return ranked[min(len(ranked) - 1, int(q * len(ranked)))]
+        i = n // 2
+        return at(i) if n % 2 else (at(i - 1) + at(i)) / 2
+    return at(min(n - 1, int(q * n)))
 
 
 class SlowNodeDemoter:
-    """Rolling latency windows per backend and the weight factor each one gets."""
+    """Rolling latency windows per backend and the weight factor each one gets.
+
+    ``evaluate`` costs O(backends) per call, not a median per backend pair: a window's
+    median is recomputed only after a sample came in or aged out, each distinct pool's
+    medians are sorted once per call, and a backend's own median is left out of its
+    pool's by index instead of by copying the list.
+    """
 
     def __init__(self, cfg: DemotionConfig) -> None:
         self.cfg = cfg
         self._nodes: dict[str, _Node] = {}
-        # each backend's TPOT median, computed once per ``evaluate`` (else the pool
-        # comparison takes a median per pair of backends: 65k per tick at 256)
-        self._tpot_medians: dict[str, float | None] = {}
-        self._pool_medians: dict[frozenset[str], list[float]] = {}  # sorted, per pool
+        self._demoted: set[str] = set()  # ids whose node is_demoted, kept in step
+        self._medians_cfg: DemotionConfig | None = None  # the cfg the cached medians used
 
     def _node(self, backend_id: str) -> _Node:
         node = self._nodes.get(backend_id)
@@ -129,6 +160,7 @@ class SlowNodeDemoter:
 
     def forget(self, backend_id: str) -> None:
         self._nodes.pop(backend_id, None)
+        self._demoted.discard(backend_id)
 
     def observe(
         self, backend_id: str, now_s: float, ttft_ms: float | None, tpot_ms: float | None
@@ -136,71 +168,69 @@ class SlowNodeDemoter:
         node, max_n = self._node(backend_id), self.cfg.max_num_samples
         if ttft_ms is not None:
             _push(node.ttft_ms, now_s, ttft_ms, max_n)
+            node.is_ttft_stale = True
         if tpot_ms is not None:
             _push(node.tpot_ms, now_s, tpot_ms, max_n)
+            node.is_tpot_stale = True
 
-    def _median(self, window: deque[tuple[float, float]]) -> float | None:
-        if len(window) < self.cfg.min_num_samples:
-            return None
-        return statistics.median(v for _, v in window)
+    def demoted_ids(self) -> frozenset[str]:
+        """The backends demoted now (ramping back included): the only ones whose
+        ``weight_factor`` is not 1.0."""
+        return frozenset(self._demoted)
 
-    def _others(self, kind: str, backend_id: str, pool: Iterable[str]) -> float | None:
-        if kind == "tpot_ms" and self._tpot_medians:
-            return self._others_tpot(backend_id, frozenset(pool))
-        values = []
-        for other in pool:
-            if other != backend_id and other in self._nodes:
-                m = self._median(getattr(self._nodes[other], kind))
-                if m is not None:
-                    values.append(m)
-        return _quantile(sorted(values), self.cfg.pool_quantile) if values else None
+    def _refresh(self, now_s: float) -> dict[str, float | None]:
+        """Trims every window to ``window_s``, brings the cached medians up to date and
+        returns each backend's TPOT median."""
+        cfg = self.cfg
+        oldest_s, min_num = now_s - cfg.window_s, cfg.min_num_samples
+        is_all_stale = self._medians_cfg is not cfg  # a new config: a new min_num_samples
+        self._medians_cfg = cfg
+        tpot_medians: dict[str, float | None] = {}
+        for backend_id, node in self._nodes.items():
+            ttft, tpot = node.ttft_ms, node.tpot_ms  # (the oldest sample is checked inline)
+            if (ttft and ttft[0][0] < oldest_s and _trim(ttft, oldest_s)) or is_all_stale:
+                node.is_ttft_stale = True
+            if (tpot and tpot[0][0] < oldest_s and _trim(tpot, oldest_s)) or is_all_stale:
+                node.is_tpot_stale = True
+            if node.is_tpot_stale:
+                node.tpot_median, node.is_tpot_stale = _median(tpot, min_num), False
+            tpot_medians[backend_id] = node.tpot_median
+        return tpot_medians
 
-    def _others_tpot(self, backend_id: str, pool: frozenset[str]) -> float | None:
-        """The others' median TPOT from the medians of this ``evaluate``: one sorted
-        list per distinct pool, the backend's own median taken out by bisection."""
-        ranked = self._pool_medians.get(pool)
-        if ranked is None:
-            medians = (self._tpot_medians.get(b) for b in pool)
-            ranked = self._pool_medians[pool] = sorted(m for m in medians if m is not None)
-        own = self._tpot_medians.get(backend_id) if backend_id in pool else None
-        if own is not None:
-            i = bisect.bisect_left(ranked, own)
-            ranked = ranked[:i] + ranked[i + 1 :]
-        return _quantile(ranked, self.cfg.pool_quantile) if ranked else None
+    def _ttft_median(self, node: _Node) -> float | None:
+        if node.is_ttft_stale:
+            node.ttft_median = _median(node.ttft_ms, self.cfg.min_num_samples)
+            node.is_ttft_stale = False
+        return node.ttft_median
 
     def _slow_reason(
-        self, backend_id: str, pool: Iterable[str], scale: float
+        self, backend_id: str, node: _Node, others: float | None, scale: float
     ) -> DemotionEvent | None:
-        """Why the backend is slow (thresholds x ``scale``), or None."""
-        node, cfg = self._nodes[backend_id], self.cfg
-        tpot = self._median(node.tpot_ms)
+        """Why the backend is slow (thresholds x ``scale``; ``others``: the yardstick
+        of its pool, the others' TPOT quantile), or None."""
+        cfg = self.cfg
+        tpot = node.tpot_median
         if tpot is not None:
             if cfg.max_tpot_ms is not None and tpot > cfg.max_tpot_ms * scale:
                 return DemotionEvent(backend_id, "tpot_abs", tpot, cfg.max_tpot_ms * scale)
-            bound = self._pool_bound_ms(backend_id, pool)
-            if bound is not None and tpot > bound * scale:
-                return DemotionEvent(backend_id, "tpot_pool", tpot, bound * scale)
-        ttft = self._median(node.ttft_ms)
-        if ttft is not None and cfg.max_ttft_ms is not None and ttft > cfg.max_ttft_ms * scale:
-            return DemotionEvent(backend_id, "ttft_abs", ttft, cfg.max_ttft_ms * scale)
+            factor = cfg.pool_factor
+            if factor and others is not None:
+                # slow for its pool: over pool_factor x the others' TPOT and at least
+                # min_excess_tpot_ms over it
+                bound = max(factor * others, others + cfg.min_excess_tpot_ms)
+                if tpot > bound * scale:
+                    return DemotionEvent(backend_id, "tpot_pool", tpot, bound * scale)
+        if cfg.max_ttft_ms is not None:
+            ttft = self._ttft_median(node)
+            if ttft is not None and ttft > cfg.max_ttft_ms * scale:
+                return DemotionEvent(backend_id, "ttft_abs", ttft, cfg.max_ttft_ms * scale)
         return None
 
-    def _pool_bound_ms(self, backend_id: str, pool: Iterable[str]) -> float | None:
-        """TPOT above which the backend is slow for its pool: ``pool_factor`` x the others'
-        median and at least ``min_excess_tpot_ms`` over it; None without a yardstick."""
-        factor = self.cfg.pool_factor
-        others = self._others("tpot_ms", backend_id, pool) if factor else None
-        if factor is None or others is None:
-            return None
-        return max(factor * others, others + self.cfg.min_excess_tpot_ms)
-
-    def _may_demote(self, backend_id: str, pool: Iterable[str]) -> bool:
-        ids = set(pool) | {backend_id}
-        num_demoted = sum(
-            1 for b in ids
-            if b != backend_id and b in self._nodes and self._nodes[b].is_demoted
-        )  # fmt: skip
-        max_num = max(1, math.floor(len(ids) * self.cfg.max_demoted_percent / 100.0))
+    def _may_demote(self, backend_id: str, pool: frozenset[str]) -> bool:
+        num_ids = len(pool) + (backend_id not in pool)
+        demoted = self._demoted
+        num_demoted = len(demoted & pool) - (backend_id in pool and backend_id in demoted)
+        max_num = max(1, math.floor(num_ids * self.cfg.max_demoted_percent / 100.0))
         return num_demoted + 1 <= max_num
 
     def evaluate(self, now_s: float, pools: Mapping[str, Iterable[str]]) -> list[DemotionEvent]:
@@ -208,24 +238,33 @@ class SlowNodeDemoter:
         events: list[DemotionEvent] = []
         if not self.cfg.enabled:
             return events
-        oldest_s = now_s - self.cfg.window_s
-        for node in self._nodes.values():
-            _trim(node.ttft_ms, oldest_s)
-            _trim(node.tpot_ms, oldest_s)
-        self._tpot_medians = {b: self._median(n.tpot_ms) for b, n in self._nodes.items()}
-        self._pool_medians = {}
+        tpot_medians = self._refresh(now_s)
+        quantile = self.cfg.pool_quantile
+        ranked_by_pool: dict[frozenset[str], list[float]] = {}  # sorted medians per pool
         for backend_id, node in self._nodes.items():
-            pool = pools.get(backend_id, ())
+            if not node.is_demoted and node.tpot_median is None and self.cfg.max_ttft_ms is None:
+                continue  # too few samples to judge it by
+            pool = frozenset(pools.get(backend_id, ()))
+            others = None  # the yardstick, needed only when the backend has a TPOT median
+            if node.tpot_median is not None and self.cfg.pool_factor:
+                ranked = ranked_by_pool.get(pool)
+                if ranked is None:
+                    medians = [tpot_medians.get(b) for b in pool]
+                    ranked = ranked_by_pool[pool] = sorted([m for m in medians if m is not None])
+                own = node.tpot_median if backend_id in pool else None
+                skip = -1 if own is None else bisect.bisect_left(ranked, own)
+                if len(ranked) > (skip >= 0):
+                    others = _quantile(ranked, quantile, skip)
             if not node.is_demoted or node.recovering_since_s is not None:
-                slow = self._slow_reason(backend_id, pool, 1.0)
+                slow = self._slow_reason(backend_id, node, others, 1.0)
                 if slow is not None and (node.is_demoted or self._may_demote(backend_id, pool)):
                     node.is_demoted, node.recovering_since_s, node.reason = True, None, slow.reason
                     node.num_demotions_total += 1
+                    self._demoted.add(backend_id)
                     events.append(slow)
-            elif self._slow_reason(backend_id, pool, self.cfg.recover_ratio) is None:
+            elif self._slow_reason(backend_id, node, others, self.cfg.recover_ratio) is None:
                 node.recovering_since_s = now_s  # hysteresis: clearly fast again
                 events.append(DemotionEvent(backend_id, ""))
-        self._tpot_medians, self._pool_medians = {}, {}  # samples change before the next
         return events
 
     def weight_factor(self, backend_id: str, now_s: float) -> float:
@@ -240,6 +279,7 @@ class SlowNodeDemoter:
         done = 1.0 if ramp_s <= 0.0 else (now_s - node.recovering_since_s) / ramp_s
         if done >= 1.0:
             node.is_demoted, node.recovering_since_s, node.reason = False, None, ""
+            self._demoted.discard(backend_id)
             return 1.0
         return low + (1.0 - low) * max(0.0, done)
 
