@@ -55,8 +55,10 @@ it serves becomes healthy, once the cluster YAML names an etcd endpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import random
 import socket
 import sys
 from collections.abc import Iterator
@@ -288,11 +290,39 @@ def vllm_kv_transfer_config(role: str) -> str:
     return json.dumps({"kv_connector": "NixlConnector", "kv_role": kv_role})
 
 
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def reserved_port(host: str, rng: random.Random | None = None) -> int:
+    """A free port for a server that binds it later, outside the kernel's ephemeral
+    range when it can be: a port that ``bind(0)`` handed out (the usual way to find a
+    free port) can be handed to another process's ``bind(0)`` (vLLM's own internal
+    sockets) before the server binds it. One CI run lost a NIXL side channel that way
+    ("Address already in use"; the engine then never became healthy)."""
+    low, high = 32768, 60999  # Linux's default ephemeral range
+    with contextlib.suppress(OSError, ValueError):
+        low, high = (int(x) for x in _EPHEMERAL_RANGE.read_text().split()[:2])
+    spans = [(lo, hi) for lo, hi in ((10000, low - 1), (high + 1, 65535)) if hi - lo >= 100]
+    pick = rng or random.SystemRandom()
+    for _ in range(50):
+        if not spans:
+            break
+        lo, hi = pick.choice(spans)
+        port = pick.randint(lo, hi)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # the ephemeral way
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
 def _nixl_side_channel(host: str) -> dict[str, str]:
     """A NIXL side channel of its own (vLLM's default port 5600 is one per host)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        port = int(s.getsockname()[1])
+    port = reserved_port(host)
     return {"VLLM_NIXL_SIDE_CHANNEL_HOST": host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}
 
 

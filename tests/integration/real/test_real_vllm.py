@@ -297,7 +297,9 @@ def test_disconnect_aborts_on_engine(vllm_cluster: LocalCluster, gateway: openai
     vLLM 0.32 does not count client aborts in ``request_success_total{finished_reason=
     "abort"}`` (its output processor drops the request's stats on abort; checked on this
     build), so the abort shows as: the request leaves the batch, never finishes with
-    ``length``, and the generation counter stops far below ``max_tokens``.
+    ``length``, and the generation counter stops below ``max_tokens`` (how far below
+    depends on how soon the disconnect reaches the engine: usually under half, but one
+    CI run on a starved box saw 374 of 440; ``max_model_len`` is 512, so no longer run).
     """
     max_tokens = 440
     urls = {b.name: b.url for b in vllm_cluster.backends}
@@ -333,4 +335,4 @@ def test_disconnect_aborts_on_engine(vllm_cluster: LocalCluster, gateway: openai
     done, aborted, generated = counters(url)
     assert done == before[backend][0], "the request ran to max_tokens: not aborted"
     assert aborted - before[backend][1] in (0, 1)
-    assert 3 <= generated - before[backend][2] < max_tokens // 2
+    assert 3 <= generated - before[backend][2] < max_tokens - 1

@@ -40,7 +40,6 @@ from conftest import (
     START_TIMEOUT_S,
     RealEnv,
     admin_backends,
-    free_port,
     http_json,
     http_text,
     metric_sum,
@@ -50,6 +49,7 @@ from conftest import (
 from kiloserve.gateway.headers import BACKEND_HEADER
 from kiloserve.launch.cluster import LocalCluster
 from kiloserve.launch.config import parse_cluster_config
+from kiloserve.launch.engines import reserved_port
 from kiloserve.tokens import filler_text
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -290,7 +290,7 @@ def nixl_pair(real_env: RealEnv, tmp_path_factory: pytest.TempPathFactory) -> It
         line["extra_args"] += _kv_config("NixlConnector", kv_role)
         if role == "decode":
             line["extra_args"].append("--no-enable-prefix-caching")
-        side_ports[name] = free_port()
+        side_ports[name] = reserved_port("127.0.0.1")
         # The side channel binds VLLM_NIXL_SIDE_CHANNEL_PORT (default 5600): one per instance.
         line["env"] |= {
             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
