@@ -42,7 +42,8 @@ starts exactly the command lines it did before). A vLLM line with a ``prefill`` 
 decode; vLLM 0.32 deprecates ``kv_both`` with NIXL), unless its ``extra_args`` already
 give a ``--kv-transfer-config``, and its own NIXL side channel:
 ``VLLM_NIXL_SIDE_CHANNEL_HOST`` (the engine's host) and ``VLLM_NIXL_SIDE_CHANNEL_PORT`` (a
-free port; vLLM's default 5600 would collide between two engines on one host), unless
+free port outside the ephemeral range, ``reserved_port``; vLLM's default 5600 would
+collide between two engines on one host), unless
 its ``env`` sets them.
 
 Agent hook: ``kiloserve up`` does not start the node agent yet (``kiloserve agent
