@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,12 +18,8 @@ from test_gateway_fakes import (
     fake_backends,
     gateway_config,
     running_gateway,
-    wait_until_ready,
 )
-
-from kiloserve.gateway.app import create_gateway_app
-from kiloserve.gateway.config import load_gateway_config
-from kiloserve.gateway.reload import RELOAD_KEY
+from test_gateway_reload import _reloading_gateway
 
 
 @dataclass
@@ -143,24 +138,6 @@ async def test_a_zero_ttl_asks_live_every_time() -> None:
             assert fake.num_lists - before == 3
 
 
-@contextlib.asynccontextmanager
-async def _reloadable_gateway(path: Path) -> AsyncIterator[str]:
-    """A gateway started from ``path``, whose ``POST /admin/reload`` reads it again."""
-    app = create_gateway_app(load_gateway_config(path))
-    app[RELOAD_KEY].source = lambda: load_gateway_config(path)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        url = f"http://127.0.0.1:{port}"
-        await wait_until_ready(url)
-        yield url
-    finally:
-        await runner.cleanup()
-
-
 async def test_a_backend_added_or_removed_shows_at_once(tmp_path: Path) -> None:
     f1, f2 = CountingFake(models=["a"]), CountingFake(models=["b"])
     path = tmp_path / "gateway.yaml"
@@ -177,7 +154,7 @@ async def test_a_backend_added_or_removed_shows_at_once(tmp_path: Path) -> None:
 
     async with fake_backends(f1, f2):
         write(_backend(f1, "f1"))
-        async with _reloadable_gateway(path) as gw:
+        async with _reloading_gateway(path) as gw:
             assert await _cards(gw) == {"a": 1000}
             write(_backend(f1, "f1"), _backend(f2, "f2"))
             await reload(gw)
