@@ -7,8 +7,10 @@ socket that never listens), creates the shared load segment
 (``python -m kiloserve.gateway.workers``, the settings on stdin). Each worker is a
 whole gateway: it binds the port with ``SO_REUSEPORT`` (the kernel spreads new
 connections across the workers), routes with its own policy and table, and shares
-its in-flight and outstanding-token counts and the operator's drains with the others
-through the segment, so every worker routes on the load of all of them.
+its in-flight and outstanding-token counts, the operator's drains and its health
+verdicts (probe failures, ejections, demotions) with the others through the segment,
+so every worker routes on the load of all of them and avoids what any of them found
+broken or slow.
 
 The supervisor prints one ``kiloserve gateway listening on URL (N workers)`` line once
 every worker listens, forwards the workers' other output, restarts a worker that dies
@@ -42,12 +44,18 @@ from aiohttp import web
 from kiloserve.errors import KiloserveError
 from kiloserve.gateway.admission.gate import FLOW_KEY
 from kiloserve.gateway.admission.ratelimit import LocalLimiter, SharedLimiter
-from kiloserve.gateway.app import SCRAPE_SHARE_KEY, TABLE_KEY, WORKER_METRICS_KEY
+from kiloserve.gateway.app import (
+    RESILIENCE_KEY,
+    SCRAPE_SHARE_KEY,
+    TABLE_KEY,
+    WORKER_METRICS_KEY,
+)
 from kiloserve.gateway.config import GatewayConfig, parse_gateway_config
 from kiloserve.gateway.peers import PEERS_KEY
 from kiloserve.gateway.reload import restart_fields
 from kiloserve.gateway.worker_metrics import WorkerMetrics
 from kiloserve.routing.shared_load import FileLock, LoadLayout, SharedLoad
+from kiloserve.routing.shared_verdicts import SharedVerdicts
 
 __all__ = ["attach_worker", "run_workers", "worker_main"]
 
@@ -217,7 +225,8 @@ def attach_worker(
     """Wire worker ``worker``'s gateway app to the segment, before it starts: the
     table's counts and drains (through the peer channel's share when ``peers`` is on,
     which then ignores its siblings), the merged ``/metrics``, the scrapes (worker 0
-    scrapes for all) and the rate-limit buckets."""
+    scrapes for all), the rate-limit buckets and the health verdicts (probe failures,
+    ejections and demotions: ``routing.shared_verdicts``)."""
     table = app[TABLE_KEY]
     peers = app.get(PEERS_KEY)
     if peers is not None:  # other gateways through Redis, siblings through memory
@@ -227,6 +236,9 @@ def attach_worker(
     shared.resync(table.state_or_none)  # the siblings' counts (no peers yet)
     app[WORKER_METRICS_KEY] = WorkerMetrics(worker, shared.ports, cfg.metrics_token)
     app[SCRAPE_SHARE_KEY] = (shared, worker == 0)
+    verdicts = SharedVerdicts(shared)
+    verdicts.clear()  # a dead predecessor's verdicts stop counting
+    app[RESILIENCE_KEY].share = verdicts
     flow = app.get(FLOW_KEY)
     if flow is not None and isinstance(flow.limiter, LocalLimiter):
         flow.limiter = SharedLimiter(shared)

@@ -17,7 +17,8 @@ They live in one shared-memory segment (``multiprocessing.shared_memory``):
 * each worker's private loopback **port** (its own ``/metrics`` for the merged page);
 * per slot, the last **scrape** of the backend (worker 0 scrapes, the others read it,
   each falling back to its own scrape when that record grows old: gateway/scrape.py);
-* the **rate-limit buckets** (JSON, read and written under the lock).
+* the **rate-limit buckets** (JSON, read and written under the lock);
+* per worker, its **health verdicts** per slot (``routing.shared_verdicts``).
 
 ``publish`` records this worker's change (called by the table right after the
 accounting changed its own state, with the exact delta it applied). ``pull`` applies
@@ -29,8 +30,9 @@ worker) rebuilds its view from the rows. A worker that replaces a dead one first
 retires what the dead one still counted (its row, published as negative changes), so
 requests that died with it stop counting everywhere.
 
-What stays per worker: learned speeds (EWMAs), active health probes, ejections and
-demotions, the approximate prefix index, and the admission
+What stays per worker: learned speeds (EWMAs), the active health probes and the
+outlier and slow-node state machines (their verdicts are shared:
+``routing.shared_verdicts``), the approximate prefix index, and the admission
 queues (each worker queues its own requests against the shared budget: waiters are
 released on the worker's own completions and ticks); see docs/gateway.md ("Workers").
 """
@@ -140,8 +142,16 @@ class LoadLayout:
         return self.workers_at + self.workers * self.worker_words
 
     @property
-    def words(self) -> int:
+    def verdicts_at(self) -> int:
         return self.buckets_at + 1 + self.bucket_bytes // 8
+
+    @property
+    def verdict_words(self) -> int:
+        return 1 + self.slots * 2  # version, then (flags, weight lost) per slot
+
+    @property
+    def words(self) -> int:
+        return self.verdicts_at + self.workers * self.verdict_words
 
 
 def _buf(shm: shared_memory.SharedMemory) -> memoryview:
@@ -247,6 +257,11 @@ class SharedLoad:
     @property
     def num_resyncs(self) -> int:
         return self._num_resyncs
+
+    @property
+    def views(self) -> tuple[memoryview[int], memoryview[float]]:
+        """The segment's words as int64 and as float64 (``routing.shared_verdicts``)."""
+        return self._q, self._d
 
     def close(self) -> None:
         self._q.release()

@@ -203,6 +203,9 @@ class BackendTable:
             raise NotFoundError(f"unknown backend '{backend_id}'", code="backend_not_found")
         return rec
 
+    def record_or_none(self, backend_id: str) -> BackendRecord | None:
+        return self._records.get(backend_id)
+
     def state(self, backend_id: str) -> BackendState:
         return self.record(backend_id).state
 

@@ -8,6 +8,13 @@ and writes their verdicts into the live ``BackendTable``:
   unhealthy while any veto holds, whatever its scrapes say;
 * demotion sets ``effective_weight`` = base x weight factor, which every policy reads.
 
+With ``--workers N`` (``share``: ``routing.shared_verdicts``) each worker publishes its
+probe, ejection and demotion verdicts and applies its siblings' at every tick: their
+probe failures and ejections as the vetoes ``PEER_PROBE_VETO`` / ``PEER_EJECT_VETO``,
+their demotions as the smaller weight factor. A half-open trial stays the business of
+the worker that ejected the backend (its ``_is_trial_ready`` ignores the siblings'
+ejections, so two workers that both ejected a backend never wait on each other).
+
 It listens to every first token and finished attempt (the ``Router``'s
 ``first_token_listeners`` and ``completion_listeners``), runs a tick every
 ``_TICK_S`` (expired ejections turn half-open, demotion re-judged) and, through
@@ -38,14 +45,18 @@ from kiloserve.gateway.resilience.outlier import OutlierDetector
 from kiloserve.gateway.resilience.prober import COMPLETION_TIMEOUT, Prober
 from kiloserve.policies.base import Outcome, RequestInfo
 from kiloserve.routing.router import Router
+from kiloserve.routing.shared_verdicts import EJECT, PROBE, SharedVerdicts
 from kiloserve.routing.table import BackendTable
 
-__all__ = ["EJECT_VETO", "PROBE_VETO", "Resilience"]
+__all__ = ["EJECT_VETO", "PEER_EJECT_VETO", "PEER_PROBE_VETO", "PROBE_VETO", "Resilience"]
 
 logger = logging.getLogger(__name__)
 
 PROBE_VETO = "probe"
 EJECT_VETO = "ejected"
+PEER_PROBE_VETO = "probe (another worker)"
+PEER_EJECT_VETO = "ejected (another worker)"
+_PROBE_VETOES = frozenset((PROBE_VETO, PEER_PROBE_VETO))
 _TICK_S = 0.1
 
 
@@ -68,6 +79,9 @@ class Resilience:
         self._last_progress_s: dict[str, float] = {}
         self._prober: Prober | None = None
         self._task: asyncio.Task[None] | None = None
+        # the sibling workers' verdicts (gateway/workers.py sets it); None: one process
+        self.share: SharedVerdicts | None = None
+        self._peer_factor: dict[str, float] = {}
         router.admit = self.admit
         router.completion_listeners.append(self.on_complete)
         router.first_token_listeners.append(self.on_first_token)
@@ -79,9 +93,9 @@ class Resilience:
         pool = self._pool_of(backend_id)
         if self.outlier.on_result(backend_id, outcome.status, now_s, pool):
             self.num_ejections[backend_id] = self.num_ejections.get(backend_id, 0) + 1
-            self.table.set_veto(backend_id, EJECT_VETO, True)
+            self._veto(backend_id, EJECT_VETO, True)
         elif not self.outlier.is_ejected(backend_id):
-            self.table.set_veto(backend_id, EJECT_VETO, False)
+            self._veto(backend_id, EJECT_VETO, False)
         if outcome.ok:
             self._last_progress_s[backend_id] = now_s
             self.demoter.observe(backend_id, now_s, None, outcome.tpot_ms)
@@ -110,7 +124,8 @@ class Resilience:
         table = self.table
         fallback = [
             b for b in pool
-            if table.record(b).vetoes == {PROBE_VETO} and table.record(b).is_scrape_healthy
+            if table.record(b).vetoes and table.record(b).vetoes <= _PROBE_VETOES
+            and table.record(b).is_scrape_healthy
             and not table.state(b).draining
         ]  # fmt: skip
         fallback.sort(key=lambda b: table.state(b).in_flight)
@@ -122,7 +137,7 @@ class Resilience:
 
     def _is_trial_ready(self, backend_id: str) -> bool:
         rec = self.table.record(backend_id)
-        others = rec.vetoes - {EJECT_VETO}
+        others = rec.vetoes - {EJECT_VETO, PEER_EJECT_VETO}
         return not others and rec.is_scrape_healthy and not rec.state.draining
 
     def _pool_of(self, backend_id: str) -> frozenset[str]:
@@ -154,18 +169,43 @@ class Resilience:
         self.num_probes[key] = self.num_probes.get(key, 0) + 1
         changed = self.probes.record(backend_id, is_ok)
         if is_ok and self.outlier.on_probe_success(backend_id, time.monotonic()):
-            self.table.set_veto(backend_id, EJECT_VETO, False)
+            self._veto(backend_id, EJECT_VETO, False)
         if changed is False:
             logger.warning("backend %s failed its health probes (%s)", backend_id, why)
-            self.table.set_veto(backend_id, PROBE_VETO, True)
+            self._veto(backend_id, PROBE_VETO, True)
         elif changed is True:
             logger.info("backend %s passes its health probes again", backend_id)
-            self.table.set_veto(backend_id, PROBE_VETO, False)
+            self._veto(backend_id, PROBE_VETO, False)
+
+    # -- verdicts shared with sibling workers -----------------------------------------
+    def _veto(self, backend_id: str, reason: str, is_on: bool) -> None:
+        self.table.set_veto(backend_id, reason, is_on)
+        self._publish(backend_id, time.monotonic())
+
+    def _publish(self, backend_id: str, now_s: float) -> None:
+        rec = self.table.record_or_none(backend_id)
+        if self.share is None or rec is None:
+            return
+        flags = (PROBE if PROBE_VETO in rec.vetoes else 0) | (
+            EJECT if EJECT_VETO in rec.vetoes else 0
+        )
+        self.share.publish(backend_id, flags, self.demoter.weight_factor(backend_id, now_s))
+
+    def _apply_peers(self, ids: list[str]) -> None:
+        """The siblings' probe failures and ejections as vetoes, their demotions as
+        weight factors (``_apply_weight``)."""
+        if self.share is None or not self.share.changed():
+            return
+        for b, (flags, factor) in self.share.peers(ids).items():
+            self.table.set_veto(b, PEER_PROBE_VETO, bool(flags & PROBE))
+            self.table.set_veto(b, PEER_EJECT_VETO, bool(flags & EJECT))
+            self._peer_factor[b] = factor
 
     # -- ticks ---------------------------------------------------------------------
     def tick(self, now_s: float) -> None:
         self.outlier.tick(now_s)
         ids = self.table.backend_ids()
+        self._apply_peers(ids)
         # compare only with healthy peers: a just-restarted or ejected one is no yardstick
         healthy = {b for b in ids if self.table.state(b).healthy}
         pools = {b: (self._pool_of(b) & healthy) | {b} for b in ids}
@@ -185,6 +225,7 @@ class Resilience:
                 )
         for b in ids:
             self._apply_weight(b, now_s)
+            self._publish(b, now_s)
 
     def reset_weight(self, backend_id: str) -> None:
         """The backend's configured weight changed: its health factor starts again
@@ -198,7 +239,8 @@ class Resilience:
     def _apply_weight(self, backend_id: str, now_s: float) -> None:
         state = self.table.state(backend_id)
         base = self._base_weight.setdefault(backend_id, state.effective_weight)
-        state.effective_weight = base * self.demoter.weight_factor(backend_id, now_s)
+        factor = self.demoter.weight_factor(backend_id, now_s)
+        state.effective_weight = base * min(factor, self._peer_factor.get(backend_id, 1.0))
 
     async def _run(self) -> None:
         while True:
@@ -216,6 +258,7 @@ class Resilience:
         for b in gone:
             self._base_weight.pop(b, None)
             self._last_progress_s.pop(b, None)
+            self._peer_factor.pop(b, None)
             self.outlier.forget(b)
             self.demoter.forget(b)
 
@@ -239,6 +282,7 @@ class Resilience:
             **self.outlier.describe(backend_id, now_s),
             **self.demoter.describe(backend_id),
             "probe_healthy": self.probes.is_healthy(backend_id),
+            "sibling_weight_factor": self._peer_factor.get(backend_id, 1.0),
         }
 
 

@@ -1,0 +1,171 @@
+"""Health verdicts shared by the workers of one gateway (``routing.shared_verdicts``).
+
+Two ``Resilience`` objects, each with its own table and router (two workers), attached
+as workers 0 and 1 to one real shared-memory segment. What one worker finds (failed
+probes, an ejection, a demotion) holds on the other after its next tick; before the
+sharing a backend worker 0 ejected stayed healthy on worker 1.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kiloserve.gateway.config import parse_gateway_config
+from kiloserve.gateway.metrics import GatewayMetrics
+from kiloserve.gateway.resilience.manager import (
+    EJECT_VETO,
+    PEER_EJECT_VETO,
+    PEER_PROBE_VETO,
+    PROBE_VETO,
+    Resilience,
+)
+from kiloserve.policies.base import Outcome, RequestInfo
+from kiloserve.policies.least_request import LeastRequestPolicy
+from kiloserve.routing.router import Router
+from kiloserve.routing.shared_load import LoadLayout, SharedLoad
+from kiloserve.routing.shared_verdicts import EJECT, PROBE, SharedVerdicts
+from kiloserve.routing.table import BackendTable
+
+_INFO = RequestInfo("r", model="m", input_tokens=10, predicted_output_tokens=4)
+_FAILED = Outcome(ok=False, status=500)
+
+
+def _resilience() -> Resilience:
+    cfg = parse_gateway_config(
+        {
+            "backends": [
+                {"url": "http://127.0.0.1:9", "name": "a", "models": ["m"]},
+                {"url": "http://127.0.0.1:10", "name": "b", "models": ["m"]},
+            ],
+            "outlier": {"consecutive_gateway_failures": 2, "max_ejection_percent": 100},
+            "demotion": {"max_ttft_ms": 1000.0, "min_num_samples": 2, "slow_start_s": 0},
+        }
+    )
+    table = BackendTable(cfg)
+    router = Router(table, LeastRequestPolicy(), random.Random(0))
+    return Resilience(cfg, router, GatewayMetrics(table))
+
+
+@pytest.fixture
+def workers() -> Iterator[tuple[Resilience, Resilience]]:
+    owner = SharedLoad.create(LoadLayout(workers=2, slots=8, ring=16))
+    loads = [SharedLoad.attach(owner.name, i) for i in (0, 1)]
+    pair = (_resilience(), _resilience())
+    for r, load in zip(pair, loads, strict=True):
+        r.share = SharedVerdicts(load)
+        r.share.clear()
+    yield pair
+    for load in loads:
+        load.close()
+    owner.close()
+
+
+def _eject(r: Resilience, backend_id: str) -> None:
+    for _ in range(2):
+        r.on_complete(backend_id, _INFO, _FAILED)
+    assert EJECT_VETO in r.table.record(backend_id).vetoes
+
+
+def test_a_backend_one_worker_ejects_is_held_out_by_the_other(
+    workers: tuple[Resilience, Resilience],
+) -> None:
+    w0, w1 = workers
+    _eject(w0, "a")
+    assert w1.table.state("a").healthy  # not yet: at its next tick
+    w1.tick(time.monotonic())
+    assert not w1.table.state("a").healthy
+    assert w1.table.record("a").vetoes == {PEER_EJECT_VETO}
+    router = Router(w1.table, LeastRequestPolicy(), random.Random(0))
+    assert router.decide(_INFO, time.monotonic()).ranked == ("b",)
+    # its ejection over, worker 0's probe succeeds: it lets the backend back, and so
+    # does worker 1
+    w0.outlier.tick(time.monotonic() + 3600)
+    w0._on_probe("a", True, "", time.monotonic())
+    assert EJECT_VETO not in w0.table.record("a").vetoes
+    w1.tick(time.monotonic())
+    assert w1.table.state("a").healthy and not w1.table.record("a").vetoes
+
+
+def test_failed_probes_on_one_worker_hold_on_the_other_and_panic_still_works(
+    workers: tuple[Resilience, Resilience],
+) -> None:
+    w0, w1 = workers
+    for b in ("a", "b"):
+        for _ in range(w0.cfg.health.unhealthy_threshold):
+            w0._on_probe(b, False, "connect", time.monotonic())
+        assert PROBE_VETO in w0.table.record(b).vetoes
+    w1.tick(time.monotonic())
+    for b in ("a", "b"):
+        assert w1.table.record(b).vetoes == {PEER_PROBE_VETO}
+    # every backend failed probes somewhere: worker 1 trusts traffic over probes (panic)
+    assert set(w1.admit((), frozenset({"a", "b"}))) == {"a", "b"}
+    assert w1.num_panics == 1
+
+
+def test_a_demotion_on_one_worker_lowers_the_weight_on_the_other(
+    workers: tuple[Resilience, Resilience],
+) -> None:
+    w0, w1 = workers
+    now = time.monotonic()
+    for i in range(3):
+        w0.on_first_token("a", _INFO, 5000.0)
+        w0.on_first_token("b", _INFO, 50.0)
+        w0.demoter.observe("a", now + i * 0.01, 5000.0, None)
+    w0.tick(now + 1)
+    low = w0.cfg.demotion.demoted_weight
+    assert w0.table.state("a").effective_weight == pytest.approx(low)
+    assert w1.table.state("a").effective_weight == 1.0
+    w1.tick(now + 1)
+    assert w1.table.state("a").effective_weight == pytest.approx(low)
+    assert w1.table.state("b").effective_weight == 1.0
+    assert w1.describe("a", now + 1)["sibling_weight_factor"] == pytest.approx(low)
+
+
+def test_a_worker_that_ejected_runs_its_trial_whatever_the_others_hold(
+    workers: tuple[Resilience, Resilience],
+) -> None:
+    """Both workers ejected the backend: each one's trial ignores the other's ejection
+    (waiting on each other, the backend would never come back)."""
+    w0, w1 = workers
+    _eject(w0, "a")
+    _eject(w1, "a")
+    w0.tick(time.monotonic())
+    assert w0.table.record("a").vetoes == {EJECT_VETO, PEER_EJECT_VETO}
+    later = time.monotonic() + 3600  # past the ejection time: half-open
+    w0.outlier.tick(later)
+    assert w0.admit(("b",), frozenset({"a", "b"}))[0] == "a"
+
+
+def test_a_replacement_worker_clears_its_predecessors_verdicts(
+    workers: tuple[Resilience, Resilience],
+) -> None:
+    w0, w1 = workers
+    assert w1.share is not None
+    _eject(w1, "a")
+    w0.tick(time.monotonic())
+    assert not w0.table.state("a").healthy
+    w1.share.clear()  # what a restarted worker 1 does before it serves
+    w0.tick(time.monotonic())
+    assert w0.table.state("a").healthy
+
+
+def test_flags_and_factors_combine_over_the_other_workers() -> None:
+    owner = SharedLoad.create(LoadLayout(workers=3, slots=4, ring=8))
+    loads = [SharedLoad.attach(owner.name, i) for i in range(3)]
+    try:
+        v = [SharedVerdicts(load) for load in loads]
+        v[1].publish("a", PROBE, 0.5)
+        v[2].publish("a", EJECT, 0.8)
+        v[0].publish("a", EJECT, 0.1)  # its own: not in its view of the others
+        assert v[0].changed()
+        assert v[0].peers(["a", "b"]) == {"a": (PROBE | EJECT, 0.5), "b": (0, 1.0)}
+        assert not v[0].changed()
+        assert v[1].peers(["a"]) == {"a": (EJECT, pytest.approx(0.1))}
+    finally:
+        for load in loads:
+            load.close()
+        owner.close()
