@@ -1,22 +1,31 @@
-"""``kiloserve gateway --workers 2``: what one worker finds broken, every worker avoids.
+"""``kiloserve gateway --workers 2``: what one worker learns, every worker uses.
 
 Real processes: the supervisor, two workers on one port, a healthy and a failing fake
 backend. Requests go to one worker at a time through its private loopback port (each
 worker also serves the gateway there: gateway/worker_metrics.py). Worker A ejects the
 failing backend after its own failed requests; worker B, which never sent it one,
 holds it out too (``routing.shared_verdicts``). Before the sharing, B kept sending it
-requests until it had met the same failures itself.
+requests until it had met the same failures itself. Likewise a prefix A placed on a
+backend is found there by B (``routing.shared_prefixes``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
+import signal
+import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
 import pytest
 from test_gateway_fakes import FakeBackend, fake_backends
-from test_gateway_workers import _children, _gateway, _get, _until
+from test_gateway_workers import _children, _get, _until
+
+from kiloserve.gateway.headers import BACKEND_HEADER, CACHED_TOKENS_HEADER
+from kiloserve.tokens import filler_text
 
 pytestmark = pytest.mark.slow
 
@@ -38,6 +47,47 @@ def _listening_ports(pid: int) -> set[int]:
         if state == "0A" and inode in inodes and local.startswith("0100007F:"):
             ports.add(int(local.split(":")[1], 16))
     return ports
+
+
+@contextlib.asynccontextmanager
+async def _workers(*args: str) -> AsyncIterator[tuple[str, asyncio.subprocess.Process]]:
+    """``kiloserve gateway ARGS --workers 2 --port 0`` for the block: (URL, supervisor)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kiloserve", "gateway", *args, "--workers", "2",
+        "--port", "0", "--log-level", "WARNING", stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+        assert line.endswith("(2 workers)\n"), line
+        yield line.split(" listening on ", 1)[1].split()[0], proc
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(proc.wait(), 40)
+
+
+async def _private_urls(url: str, supervisor: int) -> tuple[str, str]:
+    """Each worker's private loopback URL (the gateway, served by that worker alone),
+    once both answer ``/ready``."""
+    shared_port = int(url.rsplit(":", 1)[1])
+    workers = _children(supervisor)
+    assert len(workers) == 2
+    private = []
+    for pid in workers:
+
+        async def listening(pid: int = pid) -> bool:
+            return bool(_listening_ports(pid) - {shared_port})
+
+        await _until(listening)
+        (port,) = _listening_ports(pid) - {shared_port}
+        private.append(f"http://127.0.0.1:{port}")
+
+    async def ready() -> bool:
+        return all([(await _get(u + "/ready"))[0] == 200 for u in private])
+
+    await _until(ready)
+    return private[0], private[1]
 
 
 async def _post(url: str) -> int:
@@ -74,25 +124,8 @@ async def test_a_backend_one_worker_ejects_is_held_out_by_every_worker(tmp_path:
     async with fake_backends(good, bad):
         text = conf.read_text().replace("GOOD", good.url).replace("BAD", bad.url)
         conf.write_text(text)
-        async with _gateway(config=conf) as (url, proc):
-            shared_port = int(url.rsplit(":", 1)[1])
-            workers = _children(proc.pid)
-            assert len(workers) == 2
-            private = {}
-            for pid in workers:
-
-                async def listening(pid: int = pid) -> bool:
-                    return bool(_listening_ports(pid) - {shared_port})
-
-                await _until(listening)
-                (port,) = _listening_ports(pid) - {shared_port}
-                private[pid] = f"http://127.0.0.1:{port}"
-            a, b = (private[pid] for pid in workers)
-
-            async def ready() -> bool:
-                return (await _get(a + "/ready"))[0] == 200 and (await _get(b + "/ready"))[0] == 200
-
-            await _until(ready)
+        async with _workers("-c", str(conf), "--policy", "least_request") as (url, proc):
+            a, b = await _private_urls(url, proc.pid)
             # worker A meets the failures (its retries answer the client from "good")
             for _ in range(30):
                 assert await _post(a) == 200
@@ -109,3 +142,32 @@ async def test_a_backend_one_worker_ejects_is_held_out_by_every_worker(tmp_path:
                 assert await _post(b) == 200
             assert len(bad.bodies) == sent_to_bad  # worker B sent it nothing
             assert len(good.bodies) >= 10
+
+
+async def _complete(url: str, prompt: str) -> tuple[str, int]:
+    """(the backend that answered, the prompt tokens the gateway found cached there)."""
+    connector = aiohttp.TCPConnector(force_close=True)
+    body = {"model": "m", "prompt": prompt, "max_tokens": 2}
+    async with (
+        aiohttp.ClientSession(connector=connector) as s,
+        s.post(url + "/v1/completions", json=body) as r,
+    ):
+        await r.read()
+        assert r.status == 200
+        return r.headers[BACKEND_HEADER], int(r.headers[CACHED_TOKENS_HEADER])
+
+
+async def test_a_prefix_one_worker_placed_is_followed_by_every_worker() -> None:
+    """``prefix_affinity``: worker A sends a long prompt to a backend; worker B, which
+    never saw it, finds the prefix cached there (before the sharing: nothing cached)."""
+    fakes = [FakeBackend(), FakeBackend()]
+    async with fake_backends(*fakes):
+        args = [a for f in fakes for a in ("--backend", f.url)]
+        async with _workers(*args, "--policy", "prefix_affinity") as (url, proc):
+            a, b = await _private_urls(url, proc.pid)
+            prompt = filler_text(2000, seed=3)
+            backend, cached = await _complete(a, prompt)
+            assert cached == 0
+            for tail in range(5):
+                got, cached = await _complete(b, f"{prompt} tail {tail}")
+                assert (got, cached) == (backend, 2000 // 16 * 16)

@@ -8,9 +8,10 @@ socket that never listens), creates the shared load segment
 whole gateway: it binds the port with ``SO_REUSEPORT`` (the kernel spreads new
 connections across the workers), routes with its own policy and table, and shares
 its in-flight and outstanding-token counts, the operator's drains and its health
-verdicts (probe failures, ejections, demotions) with the others through the segment,
-so every worker routes on the load of all of them and avoids what any of them found
-broken or slow.
+verdicts (probe failures, ejections, demotions) and where it sent which prefix with
+the others through the segment, so every worker routes on the load of all of them,
+avoids what any of them found broken or slow, and follows the prefixes all of them
+placed.
 
 The supervisor prints one ``kiloserve gateway listening on URL (N workers)`` line once
 every worker listens, forwards the workers' other output, restarts a worker that dies
@@ -45,6 +46,7 @@ from kiloserve.errors import KiloserveError
 from kiloserve.gateway.admission.gate import FLOW_KEY
 from kiloserve.gateway.admission.ratelimit import LocalLimiter, SharedLimiter
 from kiloserve.gateway.app import (
+    CTX_KEY,
     RESILIENCE_KEY,
     SCRAPE_SHARE_KEY,
     TABLE_KEY,
@@ -55,6 +57,7 @@ from kiloserve.gateway.peers import PEERS_KEY
 from kiloserve.gateway.reload import restart_fields
 from kiloserve.gateway.worker_metrics import WorkerMetrics
 from kiloserve.routing.shared_load import FileLock, LoadLayout, SharedLoad
+from kiloserve.routing.shared_prefixes import SharedPrefixes
 from kiloserve.routing.shared_verdicts import SharedVerdicts
 
 __all__ = ["attach_worker", "run_workers", "worker_main"]
@@ -225,8 +228,9 @@ def attach_worker(
     """Wire worker ``worker``'s gateway app to the segment, before it starts: the
     table's counts and drains (through the peer channel's share when ``peers`` is on,
     which then ignores its siblings), the merged ``/metrics``, the scrapes (worker 0
-    scrapes for all), the rate-limit buckets and the health verdicts (probe failures,
-    ejections and demotions: ``routing.shared_verdicts``)."""
+    scrapes for all), the rate-limit buckets, the health verdicts (probe failures,
+    ejections and demotions: ``routing.shared_verdicts``) and the prefix placements
+    of the approximate index (``routing.shared_prefixes``)."""
     table = app[TABLE_KEY]
     peers = app.get(PEERS_KEY)
     if peers is not None:  # other gateways through Redis, siblings through memory
@@ -239,6 +243,9 @@ def attach_worker(
     verdicts = SharedVerdicts(shared)
     verdicts.clear()  # a dead predecessor's verdicts stop counting
     app[RESILIENCE_KEY].share = verdicts
+    router = app[CTX_KEY].router
+    prefixes = SharedPrefixes(shared)
+    router.before_decide = lambda: prefixes.pull(router.policy)
     flow = app.get(FLOW_KEY)
     if flow is not None and isinstance(flow.limiter, LocalLimiter):
         flow.limiter = SharedLimiter(shared)

@@ -16,7 +16,7 @@ only less sticky. Lookups never change recency; only ``insert`` does.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kiloserve.errors import ConfigError
 from kiloserve.policies.base import ClusterSnapshot
@@ -73,13 +73,22 @@ class PrefixIndex:
         self.max_num_holders_per_block = max_num_holders_per_block
         # block hash -> its holder, or its holders (most recent last) when several
         self._holders: OrderedDict[int, str | dict[str, None]] = OrderedDict()
+        # told of every ``insert`` (the gateway's sibling workers: routing/shared_prefixes.py)
+        self.listener: Callable[[Sequence[int], str], None] | None = None
 
     @property
     def num_blocks(self) -> int:
         return len(self._holders)
 
     def insert(self, prefix_hashes: Sequence[int], backend_id: str) -> None:
-        """Record that ``backend_id`` received the blocks ``prefix_hashes``."""
+        """Record that ``backend_id`` received the blocks ``prefix_hashes`` (and tell
+        the ``listener``)."""
+        self.insert_quietly(prefix_hashes, backend_id)
+        if self.listener is not None:
+            self.listener(prefix_hashes, backend_id)
+
+    def insert_quietly(self, prefix_hashes: Sequence[int], backend_id: str) -> None:
+        """``insert`` without telling the listener (what another router sent)."""
         index = self._holders
         cap = self.max_num_holders_per_block
         for block_hash in reversed(prefix_hashes):

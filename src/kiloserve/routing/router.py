@@ -83,6 +83,9 @@ class Router:
         self.rng = rng
         self.admit = admit
         self.decision_listeners: list[DecisionListener] = []
+        # run before every decision, after the table's sync (the gateway's workers:
+        # the siblings' prefix placements, routing/shared_prefixes.py)
+        self.before_decide: Callable[[], None] | None = None
         self.first_token_listeners: list[FirstTokenListener] = []
         self.completion_listeners: list[CompletionListener] = []
         # request id -> the backend that must rank first when routable and in the pool (a
@@ -115,6 +118,8 @@ class Router:
         """
         table = self.table
         table.sync()
+        if self.before_decide is not None:
+            self.before_decide()
         pool = table.pool_ids(info.model)
         if role is not None:
             eligible_by_model, pool = self._of_role(info.model, role, eligible_by_model)

@@ -18,7 +18,8 @@ They live in one shared-memory segment (``multiprocessing.shared_memory``):
 * per slot, the last **scrape** of the backend (worker 0 scrapes, the others read it,
   each falling back to its own scrape when that record grows old: gateway/scrape.py);
 * the **rate-limit buckets** (JSON, read and written under the lock);
-* per worker, its **health verdicts** per slot (``routing.shared_verdicts``).
+* per worker, its **health verdicts** per slot (``routing.shared_verdicts``) and a ring
+  of its **prefix placements** (``routing.shared_prefixes``).
 
 ``publish`` records this worker's change (called by the table right after the
 accounting changed its own state, with the exact delta it applied). ``pull`` applies
@@ -32,7 +33,8 @@ requests that died with it stop counting everywhere.
 
 What stays per worker: learned speeds (EWMAs), the active health probes and the
 outlier and slow-node state machines (their verdicts are shared:
-``routing.shared_verdicts``), the approximate prefix index, and the admission
+``routing.shared_verdicts``), the approximate prefix index (each keeps its own, fed
+with the siblings' placements: ``routing.shared_prefixes``), and the admission
 queues (each worker queues its own requests against the shared budget: waiters are
 released on the worker's own completions and ticks); see docs/gateway.md ("Workers").
 """
@@ -79,7 +81,7 @@ FIELDS = (
 )
 _NF = len(FIELDS)
 _MAGIC = 0x4B494C4F4C4F4144  # "KILOLOAD"
-_HEADER = 8  # words: magic, workers, slots, ring, admin version, bucket bytes, spare
+_HEADER = 8  # words: magic, workers, slots, ring, admin version, bucket bytes, prefix ring
 _NAME_BYTES = 248
 _NAME_WORDS = 1 + _NAME_BYTES // 8  # length word + utf-8 bytes
 _ENTRY = 3  # slot, field, delta
@@ -109,6 +111,7 @@ class LoadLayout:
     slots: int = 4096
     ring: int = 65536
     bucket_bytes: int = 1 << 20  # the rate-limit buckets (JSON, under the lock)
+    prefix_ring: int = 1 << 18  # words per worker for its prefix placements
 
     @property
     def names_at(self) -> int:
@@ -150,8 +153,12 @@ class LoadLayout:
         return 1 + self.slots * 2  # version, then (flags, weight lost) per slot
 
     @property
-    def words(self) -> int:
+    def prefixes_at(self) -> int:
         return self.verdicts_at + self.workers * self.verdict_words
+
+    @property
+    def words(self) -> int:
+        return self.prefixes_at + self.workers * (1 + self.prefix_ring)
 
 
 def _buf(shm: shared_memory.SharedMemory) -> memoryview:
@@ -225,6 +232,7 @@ class SharedLoad:
         q = _buf(shm).cast("q")
         q[1], q[2], q[3] = layout.workers, layout.slots, layout.ring
         q[5] = layout.bucket_bytes
+        q[6] = layout.prefix_ring
         q[0] = _MAGIC
         q.release()
         return cls(shm, layout, -1, lock, owner=True)
@@ -243,7 +251,9 @@ class SharedLoad:
             q.release()
             shm.close()
             raise ValueError(f"shared memory {name!r} is not a kiloserve load segment")
-        layout = LoadLayout(workers=q[1], slots=q[2], ring=q[3], bucket_bytes=q[5])
+        layout = LoadLayout(
+            workers=q[1], slots=q[2], ring=q[3], bucket_bytes=q[5], prefix_ring=q[6]
+        )
         q.release()
         if not 0 <= worker < layout.workers:
             shm.close()
@@ -312,6 +322,10 @@ class SharedLoad:
     def _remember(self, slot: int, backend_id: str) -> None:
         self._slots[backend_id] = slot
         self._names[slot] = backend_id
+
+    def slot_name(self, slot: int) -> str:
+        """The backend id of a claimed slot ("" when free)."""
+        return self._slot_name(slot)
 
     def _slot_name(self, slot: int) -> str:
         got = self._names.get(slot)
