@@ -304,34 +304,41 @@ def nixl_pair(real_env: RealEnv, tmp_path_factory: pytest.TempPathFactory) -> It
         start_timeout_s=START_TIMEOUT_S,
         gateway_options={
             "scrape_interval_s": 0.1,
-            "scrape_timeout_s": 3.0,
-            "stale_after_s": 10.0,
+            # A scrape that times out counts as a failed one, and failed scrapes mark a
+            # backend down: with 3 s, a starved CI box marked the prefill vLLM down (its
+            # /metrics took longer) and the gateway served the request whole on decode.
+            "scrape_timeout_s": METRICS_TIMEOUT_S,
+            "stale_after_s": 2 * METRICS_TIMEOUT_S,
             # vLLM's CPU build can take over the probes' default 1 s to answer /health
             # while its core computes: the gateway then marked the decode vLLM down and
             # served a request whole on the prefill vLLM (seen once, under load).
-            "health": {"completion_probe": False, "timeout_s": 10.0},
+            "health": {"completion_probe": False, "timeout_s": 30.0},
         },
     )
     with cluster:
         urls = {b.name: b.url for b in cluster.backends}
         gateway_url = cluster.gateway_url
         assert gateway_url is not None
-        # The gateway splits only over healthy, scraped prefill and decode backends.
-        wait_for(
-            lambda: all(
-                row["healthy"] and row["num_running"] is not None
-                for row in admin_backends(gateway_url).values()
-            ),
-            60,
-            "the gateway to see both backends healthy",
-            poll_s=0.2,
-        )
+        _wait_both_routable(gateway_url)
         yield PdPair(
             urls["nixl-prefill"],
             urls["nixl-decode"],
             side_channel_port=side_ports["nixl-prefill"],
             gateway_url=gateway_url,
         )
+
+
+def _wait_both_routable(gateway_url: str) -> None:
+    """The gateway splits only over healthy, scraped prefill and decode backends."""
+    wait_for(
+        lambda: all(
+            row["healthy"] and row["num_running"] is not None
+            for row in admin_backends(gateway_url).values()
+        ),
+        60,
+        "the gateway to see both backends healthy",
+        poll_s=0.2,
+    )
 
 
 def _nixl_bytes(loaded_tokens: int, block_size: int) -> int:
@@ -376,12 +383,23 @@ def test_gateway_splits_over_the_real_nixl_pair(nixl_pair: PdPair) -> None:
     body = _request(seed=32)
     n = _prompt_tokens(nixl_pair.decode_url, body["prompt"])
     reference = _colocated_reference(nixl_pair, body, n)
+    _wait_both_routable(nixl_pair.gateway_url)
     gw_before = http_text(nixl_pair.gateway_url + "/metrics", timeout_s=METRICS_TIMEOUT_S)
     prefill_before = _counters(nixl_pair.prefill_url)
     decode_before = _counters(nixl_pair.decode_url)
 
     out = _complete(nixl_pair.gateway_url, body, "gw-nixl-1")
 
+    gw_after = http_text(nixl_pair.gateway_url + "/metrics", timeout_s=METRICS_TIMEOUT_S)
+    split = "kiloserve_gateway_disagg_requests_total"
+    modes = {
+        mode: metric_sum(gw_after, split, mode=mode) - metric_sum(gw_before, split, mode=mode)
+        for mode in ("split", "colocated", "fallback")
+    }
+    assert modes == {"split": 1, "colocated": 0, "fallback": 0}, (
+        modes,
+        admin_backends(nixl_pair.gateway_url),
+    )
     assert _token_ids(out) == reference
     assert out["usage"]["prompt_tokens"] == n
     assert out["usage"]["completion_tokens"] == MAX_TOKENS
@@ -391,11 +409,6 @@ def test_gateway_splits_over_the_real_nixl_pair(nixl_pair: PdPair) -> None:
     decode_delta = _delta(decode_before, _counters(nixl_pair.decode_url))
     assert decode_delta["nixl_transfers"] == 1 and decode_delta["external_hits"] == n
     assert decode_delta["local_compute"] == 0 and decode_delta["generated"] == MAX_TOKENS
-    gw_after = http_text(nixl_pair.gateway_url + "/metrics", timeout_s=METRICS_TIMEOUT_S)
-    split = "kiloserve_gateway_disagg_requests_total"
-    assert (
-        metric_sum(gw_after, split, mode="split") - metric_sum(gw_before, split, mode="split") == 1
-    )
 
 
 def _stream_token_ids(url: str, body: dict[str, Any]) -> tuple[list[int], dict[str, Any]]:
@@ -426,6 +439,7 @@ def test_gateway_streams_a_split_request(nixl_pair: PdPair) -> None:
     body = _request(seed=33)
     n = _prompt_tokens(nixl_pair.decode_url, body["prompt"])
     reference = _colocated_reference(nixl_pair, body, n)
+    _wait_both_routable(nixl_pair.gateway_url)
     decode_before = _counters(nixl_pair.decode_url)
     ids, usage = _stream_token_ids(nixl_pair.gateway_url, body)
     assert ids == reference
