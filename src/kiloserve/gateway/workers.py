@@ -45,6 +45,7 @@ from aiohttp import web
 from kiloserve.errors import KiloserveError
 from kiloserve.gateway.admission.gate import FLOW_KEY
 from kiloserve.gateway.admission.ratelimit import LocalLimiter, SharedLimiter
+from kiloserve.gateway.admission.shared_queue import SharedQueues
 from kiloserve.gateway.app import (
     CTX_KEY,
     RESILIENCE_KEY,
@@ -229,8 +230,9 @@ def attach_worker(
     table's counts and drains (through the peer channel's share when ``peers`` is on,
     which then ignores its siblings), the merged ``/metrics``, the scrapes (worker 0
     scrapes for all), the rate-limit buckets, the health verdicts (probe failures,
-    ejections and demotions: ``routing.shared_verdicts``) and the prefix placements
-    of the approximate index (``routing.shared_prefixes``)."""
+    ejections and demotions: ``routing.shared_verdicts``), the prefix placements
+    of the approximate index (``routing.shared_prefixes``) and the admission queues'
+    order (``gateway/admission/shared_queue.py``)."""
     table = app[TABLE_KEY]
     peers = app.get(PEERS_KEY)
     if peers is not None:  # other gateways through Redis, siblings through memory
@@ -249,6 +251,10 @@ def attach_worker(
     flow = app.get(FLOW_KEY)
     if flow is not None and isinstance(flow.limiter, LocalLimiter):
         flow.limiter = SharedLimiter(shared)
+    if flow is not None and flow.admission is not None:
+        queues = SharedQueues(shared, cfg.admission.max_queue_wait_s)
+        queues.clear()  # a dead predecessor's queue heads stop counting
+        flow.admission.share = queues
 
 
 def worker_main() -> int:

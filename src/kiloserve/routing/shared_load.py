@@ -19,7 +19,8 @@ They live in one shared-memory segment (``multiprocessing.shared_memory``):
   each falling back to its own scrape when that record grows old: gateway/scrape.py);
 * the **rate-limit buckets** (JSON, read and written under the lock);
 * per worker, its **health verdicts** per slot (``routing.shared_verdicts``) and a ring
-  of its **prefix placements** (``routing.shared_prefixes``).
+  of its **prefix placements** (``routing.shared_prefixes``), and the head of each of
+  its admission queues (``gateway/admission/shared_queue.py``).
 
 ``publish`` records this worker's change (called by the table right after the
 accounting changed its own state, with the exact delta it applied). ``pull`` applies
@@ -35,8 +36,9 @@ What stays per worker: learned speeds (EWMAs), the active health probes and the
 outlier and slow-node state machines (their verdicts are shared:
 ``routing.shared_verdicts``), the approximate prefix index (each keeps its own, fed
 with the siblings' placements: ``routing.shared_prefixes``), and the admission
-queues (each worker queues its own requests against the shared budget: waiters are
-released on the worker's own completions and ticks); see docs/gateway.md ("Workers").
+queues (each worker queues its own requests against the shared budget, in one order
+across workers: ``gateway/admission/shared_queue.py``); see docs/gateway.md
+("Workers").
 """
 
 from __future__ import annotations
@@ -157,8 +159,12 @@ class LoadLayout:
         return self.verdicts_at + self.workers * self.verdict_words
 
     @property
-    def words(self) -> int:
+    def queues_at(self) -> int:
         return self.prefixes_at + self.workers * (1 + self.prefix_ring)
+
+    @property
+    def words(self) -> int:
+        return self.queues_at + self.workers * self.slots * 3
 
 
 def _buf(shm: shared_memory.SharedMemory) -> memoryview:

@@ -12,6 +12,11 @@ what does not fit then waits for the next window, not for the next completion. A
 request's need is ``capacity.memory_need_kv_tokens`` (the seed's estimate unless
 ``capacity.kv_bytes_per_token`` names the model). A full
 lane is a 429 with ``Retry-After``. ``done`` returns a request's reservation.
+
+With ``--workers N`` (``share``: ``gateway/admission/shared_queue.py``) the workers
+keep one order per pool: a worker leaves freed room to a sibling whose queue head
+comes first (higher priority, or the same and older) for up to ``max_defer_s``, and
+an arrival waits in the queue while a sibling has waiters of its priority or higher.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from kiloserve.gateway.admission.capacity import (
     memory_need_kv_tokens,
 )
 from kiloserve.gateway.admission.queue import LANES, AdmissionConfig, PoolQueue, Waiter, lane_of
+from kiloserve.gateway.admission.shared_queue import SharedQueues
 from kiloserve.policies.base import RequestInfo
 from kiloserve.routing.router import Router
 from kiloserve.routing.table import BackendTable
@@ -91,6 +97,12 @@ class AdmissionMetrics(Collector):
         for (model, what), n in self.outcomes.items():
             out.add_metric([model, what], n)
         yield out
+        deferrals = CounterMetricFamily(
+            prefix + "deferrals",
+            "pumps that left freed room to a sibling worker's earlier queue head",
+        )
+        deferrals.add_metric([], self._ctl.num_deferrals)
+        yield deferrals
         hist = HistogramMetricFamily(
             prefix + "queue_wait_seconds", "time spent queued at the gateway", labels=["model"]
         )
@@ -116,6 +128,12 @@ class AdmissionController:
         # so the workers of one gateway share them (routing/shared_load.py)
         self.metrics = AdmissionMetrics(self)
         self._infos: dict[int, RequestInfo] = {}
+        # the sibling workers' queue heads (gateway/workers.py sets it); None: one process
+        self.share: SharedQueues | None = None
+        # how long a worker leaves freed room to a sibling's older head (then takes it)
+        self.max_defer_s = max(5 * cfg.tick_s, 0.05)
+        self._deferring: dict[str, tuple[int, float, float]] = {}  # model -> head, since
+        self.num_deferrals = 0
 
     # -- capacity ------------------------------------------------------------------
     def _roomy(
@@ -191,7 +209,11 @@ class AdmissionController:
         )
         q = self._queue(info.model)
         now = time.monotonic()
-        if not len(q) and self.cfg.window_s <= 0:
+        if (
+            not len(q)
+            and self.cfg.window_s <= 0
+            and not (self.share and self.share.waiting(info.model, info.priority, now))
+        ):
             adm = self._place(info, need)
             if adm is not None:
                 self.metrics.outcome(info.model, "admitted")
@@ -220,21 +242,57 @@ class AdmissionController:
         finally:
             if q.remove(w):  # cancelled while queued (the client left)
                 self.metrics.outcome(info.model, "cancelled")
+                self._publish(info.model, q)
             self._infos.pop(id(w), None)
+
+    def _head(self, q: PoolQueue) -> tuple[int, float] | None:
+        """(the highest priority waiting, the oldest arrival at it), None when empty."""
+        waiters = q.waiters()
+        if not waiters:
+            return None
+        top = max(w.priority for w in waiters)
+        return top, min(w.enqueued_s for w in waiters if w.priority == top)
+
+    def _publish(self, model: str, q: PoolQueue) -> None:
+        if self.share is not None:
+            head = self._head(q)
+            if head is None:
+                self.share.publish(model, 0, 0, 0.0)
+            else:
+                self.share.publish(model, len(q), *head)
+
+    def _yields(self, model: str, q: PoolQueue, now_s: float) -> bool:
+        """Whether this worker leaves the room (there is some) to a sibling's earlier
+        head now; for at most ``max_defer_s`` from when the room was first left."""
+        head = self._head(q) if self.share is not None else None
+        if self.share is None or head is None or not self.share.outranked(model, *head, now_s):
+            self._deferring.pop(model, None)
+            return False
+        since = self._deferring.get(model)
+        if since is None or since[:2] != head:
+            self._deferring[model] = (*head, now_s)
+            since = self._deferring[model]
+        if now_s - since[2] > self.max_defer_s:
+            return False  # the sibling's head fits nowhere, it seems: take the room
+        self.num_deferrals += 1
+        return True
 
     def pump(self, now_s: float) -> None:
         """Release every waiter that may go now, in queue order; with windows
         (``window_s`` > 0) what did not fit waits for the next window (S2.2)."""
         for model, q in self.queues.items():
             self._expire(model, q, now_s)
-            while len(q) and self._release_one(model, q, now_s):
-                pass
+            while len(q):
+                smallest = q.min_need_tokens(now_s)
+                if smallest is None or not self._roomy(model, smallest, is_short=True):
+                    self._deferring.pop(model, None)  # no room: nothing to leave to anyone
+                    break  # nothing eligible fits anywhere: skip the sort
+                if self._yields(model, q, now_s) or not self._release_one(model, q, now_s):
+                    break
             q.hold_leftovers(now_s)
+            self._publish(model, q)
 
     def _release_one(self, model: str, q: PoolQueue, now_s: float) -> bool:
-        smallest = q.min_need_tokens(now_s)
-        if smallest is None or not self._roomy(model, smallest, is_short=True):
-            return False  # nothing eligible fits anywhere: skip the sort
         placed: list[Admission] = []
 
         def fits(w: Waiter) -> bool:

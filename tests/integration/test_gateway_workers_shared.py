@@ -25,6 +25,7 @@ from test_gateway_fakes import FakeBackend, fake_backends
 from test_gateway_workers import _children, _get, _until
 
 from kiloserve.gateway.headers import BACKEND_HEADER, CACHED_TOKENS_HEADER
+from kiloserve.routing.engine_metrics import parse_samples
 from kiloserve.tokens import filler_text
 
 pytestmark = pytest.mark.slow
@@ -171,3 +172,62 @@ async def test_a_prefix_one_worker_placed_is_followed_by_every_worker() -> None:
             for tail in range(5):
                 got, cached = await _complete(b, f"{prompt} tail {tail}")
                 assert (got, cached) == (backend, 2000 // 16 * 16)
+
+
+async def _arrived(fake: FakeBackend, n: int) -> bool:
+    return len(fake.bodies) >= n
+
+
+async def _own_metric(worker_url: str, metric: str) -> float:
+    """A metric of that worker's own page (summed over its labels)."""
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with (
+        aiohttp.ClientSession(connector=connector) as s,
+        s.get(worker_url + "/metrics", params={"local": "1"}) as r,
+    ):
+        text = await r.text()
+    return sum(value for name, _labels, value in parse_samples(text) if name == metric)
+
+
+async def _queued_at(worker_url: str, n: int) -> bool:
+    """Whether ``n`` requests wait in that worker's own admission queues."""
+    return await _own_metric(worker_url, "kiloserve_gateway_admission_queue_depth") == n
+
+
+async def _deferrals(worker_url: str) -> float:
+    return await _own_metric(worker_url, "kiloserve_gateway_admission_deferrals_total")
+
+
+async def test_freed_room_goes_to_the_oldest_waiter_whichever_worker_holds_it(
+    tmp_path: Path,
+) -> None:
+    """One slot (``max_in_flight_per_backend: 1``): r1 runs at worker A, r2 waits at
+    worker B, then r3 at worker A. When r1 ends at A, the slot goes to B's r2 (before
+    the sharing, A gave it to its own r3)."""
+    conf = tmp_path / "gw.yaml"
+    conf.write_text("admission: {enabled: true, capacity: {max_in_flight_per_backend: 1}}\n")
+    fake = FakeBackend(num_chunks=3, chunk_delay_s=0.7)
+    async with (
+        fake_backends(fake),
+        _workers("--backend", fake.url, "-c", str(conf)) as (url, proc),
+    ):
+        a, b = await _private_urls(url, proc.pid)
+
+        async def stream(url: str, name: str) -> None:
+            body = {"model": "m", "prompt": name, "max_tokens": 3, "stream": True}
+            async with (
+                aiohttp.ClientSession() as s,
+                s.post(url + "/v1/completions", json=body) as r,
+            ):
+                assert r.status == 200
+                await r.read()
+
+        r1 = asyncio.ensure_future(stream(a, "r1"))
+        await _until(lambda: _arrived(fake, 1))
+        r2 = asyncio.ensure_future(stream(b, "r2"))
+        await _until(lambda: _queued_at(b, 1))
+        r3 = asyncio.ensure_future(stream(a, "r3"))
+        await _until(lambda: _queued_at(a, 1))
+        await asyncio.wait_for(asyncio.gather(r1, r2, r3), 60)
+        order = [body["prompt"] for body in fake.bodies]
+        assert order == ["r1", "r2", "r3"], (order, await _deferrals(a), await _deferrals(b))
