@@ -166,6 +166,21 @@ def test_decide_with_role_round_robin_rotates_over_that_role() -> None:
     assert firsts == ["p0", "p1", "p0", "p1"]
 
 
+def test_round_robin_rotates_prefill_legs_when_decode_legs_are_dispatched_too() -> None:
+    """A split request dispatches two legs: the model's cursor moved twice per request,
+    so with two prefill backends every prefill leg went to p0 (a gateway in front of
+    twins showed it)."""
+    table = _table({"p0": "prefill", "d0": "decode", "p1": "prefill"})
+    router = Router(table, RoundRobinPolicy(), random.Random(0))
+    firsts = []
+    for i in range(4):
+        decision = router.decide(_info(f"r{i}"), 0.0, role="prefill")
+        firsts.append(decision.ranked[0])
+        router.dispatch(decision.ranked[0], _info(f"r{i}"))  # the prefill leg
+        router.dispatch("d0", _info(f"r{i}"))  # the decode leg (ranked by rank_decode)
+    assert firsts == ["p0", "p1", "p0", "p1"]
+
+
 def test_table_without_roles_keeps_the_policy_order() -> None:
     table = _table({"a": "both", "b": "both"})
     assert not table.has_roles
