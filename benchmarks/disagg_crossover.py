@@ -1,11 +1,11 @@
 """P/D disaggregation and a CPU KV tier in the simulator: the two checks of
 docs/disaggregation.md, each against a colocated baseline measured in the same run.
 
-    .venv/bin/python benchmarks/disagg_crossover.py        # all three parts, 6-8 min here
-    .venv/bin/python benchmarks/disagg_crossover.py --no-tier --no-max-rate   # part 1, ~1 min
-    .venv/bin/python benchmarks/disagg_crossover.py --no-crossover --no-tier  # part 3, ~3 min
+    .venv/bin/python benchmarks/disagg_crossover.py        # all three parts, ~2-3 min here
+    .venv/bin/python benchmarks/disagg_crossover.py --no-tier --no-max-rate   # part 1, ~10-25 s
+    .venv/bin/python benchmarks/disagg_crossover.py --no-crossover --no-tier  # part 3, ~35-80 s
     .venv/bin/python benchmarks/disagg_crossover.py --no-crossover --no-max-rate \
-        --tier-max-rate                                                # part 2, ~3.5 min
+        --tier-max-rate                                                # part 2, ~55 s
     .venv/bin/python benchmarks/disagg_crossover.py --plot crossover.png     # + part 1 plotted
 
 1. Crossover (DistServe's claim: splitting prefill from decode raises goodput under a
