@@ -231,3 +231,29 @@ async def test_freed_room_goes_to_the_oldest_waiter_whichever_worker_holds_it(
         await asyncio.wait_for(asyncio.gather(r1, r2, r3), 60)
         order = [body["prompt"] for body in fake.bodies]
         assert order == ["r1", "r2", "r3"], (order, await _deferrals(a), await _deferrals(b))
+
+
+async def test_the_dashboard_answers_for_every_worker() -> None:
+    """Three requests through worker A, two through worker B: whichever worker serves
+    ``/dashboard/state``, it shows all five decisions (``?local=1``: its own)."""
+    fakes = [FakeBackend(), FakeBackend()]
+    async with fake_backends(*fakes):
+        args = [a for f in fakes for a in ("--backend", f.url)]
+        async with _workers(*args) as (url, proc):
+            a, b = await _private_urls(url, proc.pid)
+            for worker, n in ((a, 3), (b, 2)):
+                for _ in range(n):
+                    assert await _post(worker) == 200
+            for worker in (url, a, b):
+                status, doc = await _get(worker + "/dashboard/state")
+                assert status == 200 and isinstance(doc, dict)
+                assert doc["gateway"]["workers"] == 2
+                decisions = doc["decisions"]
+                assert decisions["num_buffered"] == 5
+                assert sum(s["count"] for s in decisions["by_policy"]) == 5
+            own = {}
+            for worker in (a, b):
+                status, doc = await _get(worker + "/dashboard/state?local=1")
+                assert status == 200 and isinstance(doc, dict)
+                own[worker] = doc["decisions"]["num_buffered"]
+            assert own == {a: 3, b: 2}

@@ -30,14 +30,17 @@ from aiohttp import web
 
 from kiloserve import __version__
 from kiloserve.gateway.admin import check_browser, config_hash, host_policy, is_loopback
+from kiloserve.gateway.dashboard_merge import merge_states
 from kiloserve.gateway.dashboard_state import DashboardRecorder, RateCounts
 from kiloserve.gateway.metrics import GatewayMetrics
 from kiloserve.gateway.proxy import ProxyContext
+from kiloserve.gateway.worker_metrics import WorkerMetrics
 from kiloserve.httpguard import HostPolicy
 from kiloserve.policies.base import Decision, Outcome, RequestInfo
 from kiloserve.routing.table import BackendRecord
 
 __all__ = [
+    "DASHBOARD_SIBLINGS_KEY",
     "STATIC_FILES",
     "Describe",
     "add_dashboard_routes",
@@ -57,6 +60,8 @@ _CSP = (
 _MAX_NUM_RECENT_DECISIONS = 25
 _TICK_INTERVAL_S = 1.0
 _TASKS_KEY = web.AppKey("kiloserve_dashboard_tasks", list)
+# --workers N: the sibling workers, whose own states the served one merges in
+DASHBOARD_SIBLINGS_KEY = web.AppKey("kiloserve_dashboard_siblings", WorkerMetrics)
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Describe = Callable[[str, float], Mapping[str, Any]]
 
@@ -323,6 +328,9 @@ def add_dashboard_routes(
 
     async def state(request: web.Request) -> web.StreamResponse:
         doc = build_state(ctx, recorder, started_s, time.monotonic(), describe, cfg_hash)
+        siblings = request.app.get(DASHBOARD_SIBLINGS_KEY)
+        if siblings is not None and request.query.get("local") != "1":
+            doc = merge_states(doc, await siblings.sibling_json("/dashboard/state"))
         body = orjson.dumps(doc)
         return web.Response(body=body, content_type="application/json", headers=no_cache)
 

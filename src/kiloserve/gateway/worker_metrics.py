@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -104,6 +105,23 @@ class WorkerMetrics:
                 return await resp.text() if resp.status == 200 else None
         except (aiohttp.ClientError, TimeoutError, OSError):
             return None
+
+    async def _json(self, session: aiohttp.ClientSession, port: int, path: str) -> Any:
+        url = f"http://127.0.0.1:{port}{path}?local=1"
+        try:
+            async with session.get(url, headers=self._headers) as resp:
+                return await resp.json() if resp.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+            return None
+
+    async def sibling_json(self, path: str) -> list[Any]:
+        """Every sibling's own JSON answer at ``path`` (``?local=1``); those that do not
+        answer within ``timeout_s`` are left out (and counted in ``num_errors``)."""
+        siblings = [p for w, p in self._ports() if w != self.worker and p > 0]
+        async with aiohttp.ClientSession(timeout=self._timeout) as session:
+            docs = await asyncio.gather(*(self._json(session, p, path) for p in siblings))
+        self.num_errors += sum(1 for d in docs if d is None)
+        return [d for d in docs if d is not None]
 
     async def render(self, own: str) -> str:
         siblings = [(w, p) for w, p in self._ports() if w != self.worker and p > 0]

@@ -54,6 +54,7 @@ from kiloserve.gateway.app import (
     WORKER_METRICS_KEY,
 )
 from kiloserve.gateway.config import GatewayConfig, parse_gateway_config
+from kiloserve.gateway.dashboard import DASHBOARD_SIBLINGS_KEY
 from kiloserve.gateway.peers import PEERS_KEY
 from kiloserve.gateway.reload import restart_fields
 from kiloserve.gateway.worker_metrics import WorkerMetrics
@@ -232,7 +233,8 @@ def attach_worker(
     scrapes for all), the rate-limit buckets, the health verdicts (probe failures,
     ejections and demotions: ``routing.shared_verdicts``), the prefix placements
     of the approximate index (``routing.shared_prefixes``) and the admission queues'
-    order (``gateway/admission/shared_queue.py``)."""
+    order (``gateway/admission/shared_queue.py``); the dashboard answers for all of
+    them (``gateway/dashboard_merge.py``)."""
     table = app[TABLE_KEY]
     peers = app.get(PEERS_KEY)
     if peers is not None:  # other gateways through Redis, siblings through memory
@@ -241,6 +243,7 @@ def attach_worker(
         table.shared = shared
     shared.resync(table.state_or_none)  # the siblings' counts (no peers yet)
     app[WORKER_METRICS_KEY] = WorkerMetrics(worker, shared.ports, cfg.metrics_token)
+    app[DASHBOARD_SIBLINGS_KEY] = app[WORKER_METRICS_KEY]
     app[SCRAPE_SHARE_KEY] = (shared, worker == 0)
     verdicts = SharedVerdicts(shared)
     verdicts.clear()  # a dead predecessor's verdicts stop counting
