@@ -53,6 +53,9 @@ class KvHolds:
         self.timeout_s = timeout_s
         self._on_expired = on_expired
         self._held: dict[str, HeldKv] = {}
+        # told after held blocks were freed (the twin's loop: a request waiting for
+        # blocks may be scheduled now, not at its next idle poll)
+        self.on_freed: Callable[[], None] | None = None
         self.num_released = 0  # by a decode engine
         self.num_expired = 0  # by the timeout
 
@@ -108,6 +111,8 @@ class KvHolds:
         if held.timer is not None:
             held.timer.cancel()
         self._core.release(held.seq_id)
+        if self.on_freed is not None:
+            self.on_freed()
         return held
 
     def close(self) -> None:

@@ -238,6 +238,8 @@ class TwinLoop:
         self._num_requests = 0
         self._kv_events = kv_events  # the engine's event log and where its batches go
         self.holds = holds  # finished prefill legs keeping their KV (engine/kv_holds.py)
+        if holds is not None:  # freed held KV may let a waiting request in: step now
+            holds.on_freed = self._wake.set
         self.failure: BaseException | None = None  # set if the loop died
         self.pending_swap_s = 0.0  # LoRA loads (engine/lora.py) the next step pays for
 

@@ -108,6 +108,20 @@ async def test_holds_release_once_and_expire() -> None:
     assert (holds.num_released, holds.num_expired, holds.num_held_requests) == (1, 1, 0)
 
 
+async def test_freeing_held_kv_wakes_the_twin_loop() -> None:
+    """A request waiting for blocks held by a prefill leg is scheduled when the decode
+    engine releases them, not at the loop's next idle poll (``IDLE_POLL_S``)."""
+    twin = build_twin(TwinConfig(gpu="H100", model="llama-3.1-8b", role="prefill"))
+    holds = twin.loop.holds
+    assert holds is not None
+    wake = twin.loop._wake
+    for free in (lambda: holds.release("r"), holds.close):
+        holds.hold("r", "seq-1", [1, 2])
+        wake.clear()
+        free()
+        assert wake.is_set()
+
+
 def _parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
