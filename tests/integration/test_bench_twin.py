@@ -48,6 +48,10 @@ async def gateway(urls: list[str]) -> AsyncIterator[str]:
     cfg = parse_gateway_config({
         "port": 0, "scrape_interval_s": 0.05, "scrape_timeout_s": 0.5,
         "policy": {"name": "round_robin"},
+        # no completion probes: a twin counts a probe's prompt in its prefix-cache
+        # counters (as vLLM does), so one landing after the gateway's last scrape would
+        # make the twins' counters and the gateway's gauges differ by its token
+        "health": {"completion_probe": False},
         "backends": [{"url": u, "name": f"twin{i}"} for i, u in enumerate(urls)],
     })  # fmt: skip
     runner = aiohttp.web.AppRunner(create_gateway_app(cfg), handler_cancellation=True,
