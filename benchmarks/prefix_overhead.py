@@ -15,9 +15,10 @@ Two targets (the KV-events issue), each against a baseline measured in the same 
        ``tokenizer.json`` with a ChatML template, trained here with ``tokenizers`` on
        the same docstrings; or ``--tokenizer``), with 2,048 tokens hashed into prefix
        blocks and with the whole prompt hashed (8,192, the gateway's default
-       ``max_prefix_tokens``). Exact twice: as before pre-token cuts (the piece cache
-       cuts prompts only at added tokens: a completions prompt is encoded whole) and
-       with them (``gateway/exact_tokens.py``, ``gateway/pretoken_cuts.py``). Every
+       ``max_prefix_tokens``). Exact twice, both with the piece cache and its
+       pre-token cuts (``gateway/exact_tokens.py``, ``gateway/pretoken_cuts.py``): the
+       pieces encoded by ``tokenizers`` (before the fast encoder: the baseline) and by
+       ``tiktoken`` (``gateway/fast_bpe.py``, the default where it is exact). Every
        measured request has a tail of its own (words drawn at random, new per body,
        ``per_fresh_call``), so no cache holds any of it; each tenant's system prompt
        was seen before, as a tenant's is;
@@ -71,6 +72,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from kiloserve.gateway.config import parse_gateway_config
 from kiloserve.gateway.exact_tokens import ExactTokenizer
+from kiloserve.gateway.fast_bpe import fast_encoder_for
 from kiloserve.gateway.profile import Profiler
 from kiloserve.kvevents.feed import KvEventCache
 from kiloserve.kvevents.index import KvBlockIndex
@@ -321,19 +323,21 @@ def fresh_bodies(
         yield bodies(systems[t], tail, f"tenant-{t}")[kind]
 
 
-def exact_profiler(cap: int, tokenizer_path: Path, pieces: bool) -> Profiler:
-    """The exact-mode profiler; ``pieces=False``: its tokenizer cuts prompts only at
-    added tokens (the piece cache before pre-token cuts: the baseline)."""
+def exact_profiler(cap: int, tokenizer_path: Path, fast: bool) -> Profiler:
+    """The exact-mode profiler; ``fast=False``: its pieces are encoded by ``tokenizers``
+    (before the fast encoder: the baseline)."""
     prof = Profiler(parse_gateway_config({
         "max_prefix_tokens": cap, "models": {MODEL: {"tokenizer": str(tokenizer_path)}}
     }))  # fmt: skip
-    if not pieces:
-        tok = prof._tokenizers[MODEL]  # the benchmark's own baseline, in the same run
-        prof._tokenizers[MODEL] = ExactTokenizer(tok._tokenizer, tok.template, piece_chars=None)
+    tok = prof._tokenizers[MODEL]
+    if fast and tok.encoder != "tiktoken":
+        raise SystemExit(f"no fast encoder for this tokenizer: {tok.describe()}")
+    if not fast:  # the benchmark's own baseline, in the same run
+        prof._tokenizers[MODEL] = ExactTokenizer(tok._tokenizer, tok.template, fast=False)
     return prof
 
 
-MODES = ("approximate", "exact, added-token cuts only (before)", "exact, pre-token cuts")
+MODES = ("approximate", "exact, tokenizers encodes (before)", "exact, tiktoken encodes")
 
 
 def profile_rows(
@@ -345,7 +349,7 @@ def profile_rows(
 ) -> tuple[list[ProfileRow], Timing]:
     """(a): ``Profiler.profile`` per body kind, mode and prefix cap, every request
     with a tail of its own (``per_fresh_call``); and the exact completions prompt's
-    ``Tokenizer.encode`` alone (``tokenizers``, no profiler)."""
+    ``Tokenizer.encode`` alone (``tokenizers``, no profiler), and the fast encoder's."""
     from tokenizers import Tokenizer
 
     raw = Tokenizer.from_file(str(tokenizer_path))
@@ -353,8 +357,8 @@ def profile_rows(
     for cap in CAPS:
         profilers = {
             MODES[0]: Profiler(parse_gateway_config({"max_prefix_tokens": cap})),
-            MODES[1]: exact_profiler(cap, tokenizer_path, pieces=False),
-            MODES[2]: exact_profiler(cap, tokenizer_path, pieces=True),
+            MODES[1]: exact_profiler(cap, tokenizer_path, fast=False),
+            MODES[2]: exact_profiler(cap, tokenizer_path, fast=True),
         }
         for kind in ("completions", "chat"):
             for mode, prof in profilers.items():
@@ -375,7 +379,13 @@ def profile_rows(
     pool = fresh_bodies(prompts, words, raw, num_exact, "completions", args.seed)
     texts = (body["prompt"] for body in pool)
     encode = per_fresh_call(lambda text: raw.encode(text), texts, args.repeats, args.min_s)
-    return rows, encode
+    fast, why = fast_encoder_for(raw)
+    if fast is None:
+        raise SystemExit(f"no fast encoder for this tokenizer: {why}")
+    pool = fresh_bodies(prompts, words, raw, num_exact, "completions", args.seed)
+    texts = (body["prompt"] for body in pool)
+    fast_encode = per_fresh_call(fast.encode, texts, args.repeats, args.min_s)
+    return rows, (encode, fast_encode)
 
 
 def stored_chain(
@@ -542,7 +552,7 @@ def print_part1(
     args: argparse.Namespace,
     tokenizer_note: str,
     profiles: list[ProfileRow],
-    encode: Timing,
+    encodes: tuple[Timing, Timing],
     setup: LookupSetup,
     lookups: list[LookupRow],
     decisions: list[DecisionRow],
@@ -559,8 +569,10 @@ def print_part1(
         ratio = r.timing.cpu_us / base[(r.cap, r.body)]
         print(f"{r.cap:>6} {r.body:<12} {r.mode:<38} {r.tokens:>7.0f} {r.timing.cpu_us:>9.1f}"
               f" {r.timing.wall_us:>9.1f} {ratio:>18.2f}x")  # fmt: skip
-    print(f"{'':>6} {'completions':<12} {'encode only':<38} {'':>7} {encode.cpu_us:>9.1f} "
-          f"{encode.wall_us:>9.1f}  (tokenizers' encode of the exact prompt alone)")  # fmt: skip
+    for name, encode in zip(("tokenizers", "tiktoken"), encodes, strict=True):
+        print(f"{'':>6} {'completions':<12} {'encode only, ' + name:<38} {'':>7} "
+              f"{encode.cpu_us:>9.1f} {encode.wall_us:>9.1f}  (the exact prompt alone, "
+              "no piece cache)")  # fmt: skip
     print(f"\n(b) prefix lookup: exact index from the KV events of {LOOKUP_BACKENDS} backends "
           f"({setup.engine_blocks:,} engine blocks, {setup.blocks:,} distinct {BLOCK}-token "
           f"blocks); each request matches {HOLDERS} backends")  # fmt: skip
@@ -580,8 +592,8 @@ def print_part1(
               f" {added:>9.1f}")  # fmt: skip
     print(f"\nTarget: tokenising + index lookup <= {TARGET_US:.0f} us of gateway CPU per request:"
           " (a) exact profile + (b) cached_depths with the KV cache")  # fmt: skip
-    print(f"{'cap':>6} {'body':<12} {'approximate (a)+(b)':>20} {'exact before (a)+(b)':>21}"
-          f" {'exact (a)+(b)':>14} {'added by exact':>15}  verdict (exact)")  # fmt: skip
+    print(f"{'cap':>6} {'body':<12} {'approximate (a)+(b)':>20} {'exact, tokenizers':>21}"
+          f" {'exact, tiktoken':>15} {'added by exact':>15}  verdict (tiktoken)")  # fmt: skip
     profile = {(r.cap, r.body, r.mode): r.timing.cpu_us for r in profiles}
     with_cache = {r.cap: r.timing.cpu_us for r in lookups if "with the KV cache" in r.name}
     for cap in CAPS:
@@ -589,7 +601,7 @@ def print_part1(
             approx = profile[(cap, body, "approximate")] + lookup_base[cap]
             before = profile[(cap, body, MODES[1])] + with_cache[cap]
             exact = profile[(cap, body, MODES[2])] + with_cache[cap]
-            print(f"{cap:>6} {body:<12} {approx:>20.1f} {before:>21.1f} {exact:>14.1f}"
+            print(f"{cap:>6} {body:<12} {approx:>20.1f} {before:>21.1f} {exact:>15.1f}"
                   f" {exact - approx:>15.1f}  {verdict(exact <= TARGET_US)} (approximate: "
                   f"{verdict(approx <= TARGET_US)})")  # fmt: skip
     lookup_only = with_cache[DEFAULT_CAP]
@@ -816,9 +828,9 @@ def part1(args: argparse.Namespace) -> None:
             note = (f"byte-level BPE, {VOCAB_SIZE:,} tokens, trained here on "
                     "standard-library docstrings; ChatML template")  # fmt: skip
         num_exact = min(args.tenants, 4 if args.quick else 20)
-        profiles, encode = profile_rows(prompts, words, tokenizer_path, num_exact, args)
+        profiles, encodes = profile_rows(prompts, words, tokenizer_path, num_exact, args)
     setup, lookups, decisions = lookup_and_decisions(prompts, args.repeats, args.min_s, args.seed)
-    print_part1(args, note, profiles, encode, setup, lookups, decisions)
+    print_part1(args, note, profiles, encodes, setup, lookups, decisions)
     print(f"(part 1 took {time.perf_counter() - started:.0f} s)")
 
 

@@ -69,8 +69,9 @@ class ModelConfig(_Strict):
     ids, docs/gateway.md "Tokens") and a chat template file (a jinja file, as vLLM's
     ``--chat-template``; default: ``chat_template.jinja`` or the ``chat_template`` of
     ``tokenizer_config.json`` next to the tokenizer, read with its special tokens);
-    ``tokenizer_self_check_every``: one prompt in this many that the exact tokenizer's
-    piece cache cut is also encoded whole and compared (0: never; gateway/exact_tokens.py)."""
+    ``tokenizer_self_check_every``: one prompt in this many that went through the exact
+    tokenizer's pieces is also encoded whole and compared (0: never;
+    gateway/exact_tokens.py, gateway/fast_bpe.py)."""
 
     tokenizer: str | None = None
     chat_template: str | None = None

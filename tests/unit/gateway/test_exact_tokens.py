@@ -35,7 +35,9 @@ def test_piece_cache_gives_the_tokenizers_own_ids(tmp_path: Path) -> None:
         text = _text(rng, specials)
         for add in (False, True):
             assert exact.encode(text, add) == whole.encode(text, add_special_tokens=add).ids
-    # a repeated long piece comes from the cache: same ids, no second encode
+    # a repeated long piece comes from the cache: same ids, no second encode (the
+    # pieces encoded by tokenizers, to count the calls)
+    exact = exact_tokens.ExactTokenizer(exact._tokenizer, exact.template, fast=False)
     system = "<|im_start|>system\n" + "tenant prompt " * 100 + "<|im_end|>"
     first = exact.encode(system + "<|im_start|>user\nhi<|im_end|>", False)
     calls: list[str] = []

@@ -162,7 +162,7 @@ def test_a_shared_head_is_encoded_once() -> None:
     head_tokens = len(tok.encode(head, add_special_tokens=False).ids)
     assert head_tokens >= 6000  # a 6k-token shared prefix
     counting = Counting(tok)
-    exact = ExactTokenizer(counting, None)
+    exact = ExactTokenizer(counting, None, fast=False)  # the pieces by tokenizers: counted
     first, second = head + _paragraphs(rng, 600), head + _paragraphs(rng, 600)
     assert exact.encode(first, True) == tok.encode(first, add_special_tokens=True).ids
     counting.texts.clear()
@@ -197,7 +197,8 @@ def test_the_runtime_self_check_turns_the_cache_off(caplog: pytest.LogCaptureFix
     assert unchecked.cut_rule == "newline-before+space"  # the probes did not see the trap
     assert unchecked.encode(text, False) != whole  # the rule is wrong for this tokenizer
     counting = Counting(tok)
-    exact = ExactTokenizer(counting, None, name="trap", piece_chars=8, self_check_every=3)
+    exact = ExactTokenizer(counting, None, name="trap", piece_chars=8, self_check_every=3,
+                           fast=False)  # fmt: skip
     fine = "the tenant prompt\nand more words " * 40  # no trap: the checks pass
     for _ in range(3):
         assert exact.encode(fine, False) == tok.encode(fine, add_special_tokens=False).ids
