@@ -34,6 +34,7 @@ difference.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import random
@@ -41,7 +42,7 @@ import unicodedata
 from collections.abc import Callable
 from typing import Any
 
-from kiloserve.gateway.pretoken_cuts import probe_texts
+from kiloserve.gateway.pretoken_cuts import bpe_reason, probe_texts
 
 __all__ = ["GPT2_PATTERN", "FastEncoder", "fast_encoder_for", "spec_reason"]
 
@@ -76,6 +77,10 @@ class FastEncoder:
         self._rank_to_id = rank_to_id
         self._nfc = nfc
 
+    def copy(self) -> FastEncoder:
+        """The same encoder in a wrapper of its own (each model's tokenizer gets one)."""
+        return FastEncoder(self._encode_ranks, self._rank_to_id, self._nfc)
+
     def encode(self, text: str) -> list[int]:
         if self._nfc and not text.isascii():
             text = unicodedata.normalize("NFC", text)
@@ -108,14 +113,10 @@ def _pattern(pre: Any) -> str | None:
 
 def spec_reason(spec: dict[str, Any]) -> str | None:
     """Why this ``tokenizer.json`` (parsed) has no fast encoder (None: it may)."""
-    normalizer = spec.get("normalizer")
-    if normalizer is not None and normalizer.get("type") != "NFC":
-        return f"a {normalizer.get('type')} normalizer"
-    model = spec.get("model") or {}
-    if model.get("type") != "BPE":
-        return f"a {model.get('type')} model (only BPE)"
-    if model.get("dropout") not in (None, 0, 0.0):
-        return "BPE dropout"
+    reason = bpe_reason(spec)
+    if reason is not None:
+        return reason
+    model = spec["model"]
     if model.get("byte_fallback"):
         return "BPE byte fallback (not byte-level)"
     if model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
@@ -178,16 +179,37 @@ def _random_probes(vocab: dict[str, int], seed: int) -> list[str]:
     return texts
 
 
+_BUILT: dict[str, tuple[FastEncoder | None, str]] = {}  # tokenizer.json digest -> result
+_MAX_BUILT = 8
+
+
 def fast_encoder_for(tokenizer: Any) -> tuple[FastEncoder | None, str]:
-    """The fast encoder for a ``tokenizers.Tokenizer``, or None and why not."""
+    """The fast encoder for a ``tokenizers.Tokenizer``, or None and why not. Building
+    and checking one takes up to a second for a large vocabulary, so the result is kept
+    per ``tokenizer.json`` content (a pure function of it: reloads and several models
+    with one tokenizer pay once)."""
     try:
-        import tiktoken
+        import tiktoken  # noqa: F401  (only whether it is there, here)
     except ImportError:
         return None, "tiktoken is not installed"
     try:
-        spec = json.loads(tokenizer.to_str())
-    except (AttributeError, TypeError, ValueError) as exc:
+        text = tokenizer.to_str()
+    except (AttributeError, TypeError) as exc:
         return None, f"tokenizer.json not readable ({type(exc).__name__})"
+    key = hashlib.sha256(text.encode()).hexdigest()
+    built = _BUILT.get(key)
+    if built is None:
+        built = _build(tokenizer, json.loads(text))
+        if len(_BUILT) >= _MAX_BUILT:
+            _BUILT.pop(next(iter(_BUILT)))
+        _BUILT[key] = built
+    fast, why = built
+    return (fast.copy() if fast is not None else None), why
+
+
+def _build(tokenizer: Any, spec: dict[str, Any]) -> tuple[FastEncoder | None, str]:
+    import tiktoken
+
     reason = spec_reason(spec)
     if reason is not None:
         return None, reason

@@ -48,6 +48,7 @@ __all__ = [
     "RULES",
     "CutRule",
     "Cutter",
+    "bpe_reason",
     "choose_rules",
     "cutter_for",
     "probe_texts",
@@ -231,10 +232,9 @@ def _pre_tokenizer_reason(pre: Any) -> str | None:
     return None if splits else "no regex split before BPE"
 
 
-def unsupported_reason(tokenizer_json: str) -> str | None:
-    """Why the cut rules do not apply to this ``tokenizer.json`` (None: they may; the
-    probes decide)."""
-    spec = json.loads(tokenizer_json)
+def bpe_reason(spec: dict[str, Any]) -> str | None:
+    """Why this parsed ``tokenizer.json`` is not a deterministic BPE without a
+    normaliser other than NFC (None: it is)."""
     normalizer = spec.get("normalizer")
     if normalizer is not None and normalizer.get("type") != "NFC":
         return f"a {normalizer.get('type')} normalizer"
@@ -243,7 +243,14 @@ def unsupported_reason(tokenizer_json: str) -> str | None:
         return f"a {model.get('type')} model (only BPE is understood)"
     if model.get("dropout") not in (None, 0, 0.0):
         return "BPE dropout (random merges)"
-    return _pre_tokenizer_reason(spec.get("pre_tokenizer"))
+    return None
+
+
+def unsupported_reason(tokenizer_json: str) -> str | None:
+    """Why the cut rules do not apply to this ``tokenizer.json`` (None: they may; the
+    probes decide)."""
+    spec = json.loads(tokenizer_json)
+    return bpe_reason(spec) or _pre_tokenizer_reason(spec.get("pre_tokenizer"))
 
 
 _CHOSEN: dict[str, tuple[tuple[str, ...], str]] = {}  # tokenizer.json digest -> rules, why not

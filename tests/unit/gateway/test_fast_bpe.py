@@ -152,3 +152,8 @@ def test_the_runtime_self_check_turns_the_fast_encoder_off(
     assert "zqx" not in caplog.records[0].getMessage()  # never the prompt
     for _ in range(4):
         assert exact.encode(text, False) == whole
+    # the encoder is built once per tokenizer.json; each model's tokenizer has its own
+    # wrapper, so another one is untouched (fast, and right)
+    other = ExactTokenizer(tok, None, name="n", self_check_every=2)
+    assert other.encoder == "tiktoken" and other._fast is not fast
+    assert other.encode(text, False) == whole and other.encoder == "tiktoken"
