@@ -98,6 +98,35 @@ def _stream_worker(
                 out.error = type(exc).__name__
 
 
+def _half_way_on_victim(streams: list[StreamOutcome]) -> bool:
+    return any(
+        o.backend == "vllm-b" and not o.done and o.error is None
+        and 3 <= o.num_text_chunks < STREAM_TOKENS // 2
+        for o in list(streams)
+    )  # fmt: skip
+
+
+def _freeze_with_a_stream_half_way(pgid: int, streams: list[StreamOutcome]) -> None:
+    """Stop vllm-b (SIGSTOP) while a stream on it is half-way AND unfinished. A client
+    that has read 3 of a stream's chunks may be far behind the engine (the tiny model
+    writes 64 tokens in milliseconds; on a busy box the client threads lag), so the
+    stream may be complete at the gateway already and a kill would cut nothing: after
+    the stop, once what vllm-b sent has had time to reach the clients, a stream on it
+    still unfinished is one the engine never finished. Else resume it and try again."""
+    deadline = time.monotonic() + 120
+    while True:
+        wait_for(lambda: _half_way_on_victim(streams), 120, "a stream under way on vllm-b",
+                 poll_s=0.001)  # fmt: skip
+        os.killpg(pgid, signal.SIGSTOP)
+        time.sleep(1.5)  # what it sent reaches the clients; it sends nothing more
+        if any(o.backend == "vllm-b" and not o.done and o.error is None
+               and o.num_text_chunks >= 1 for o in list(streams)):  # fmt: skip
+            return
+        os.killpg(pgid, signal.SIGCONT)
+        if time.monotonic() > deadline:
+            raise AssertionError("no stream on vllm-b was ever cut half-way")
+
+
 def test_engine_killed_mid_run_fails_over(vllm_cluster: LocalCluster) -> None:
     gw = vllm_cluster.gateway_url
     assert gw is not None
@@ -122,17 +151,7 @@ def test_engine_killed_mid_run_fails_over(vllm_cluster: LocalCluster) -> None:
             120,
             "both engines to serve the run",
         )
-        # kill while a stream on vllm-b is half-way: its tokens so far reached the client
-        wait_for(
-            lambda: any(
-                o.backend == "vllm-b" and not o.done and o.error is None
-                and 3 <= o.num_text_chunks < STREAM_TOKENS // 2
-                for o in list(streams)
-            ),
-            120,
-            "a stream under way on vllm-b",
-            poll_s=0.001,
-        )  # fmt: skip
+        _freeze_with_a_stream_half_way(victim.pid, streams)
         killed_s = time.monotonic()
         os.killpg(victim.pid, signal.SIGKILL)  # the API server and its engine core, no goodbye
         wait_for(
