@@ -34,7 +34,6 @@ difference.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import random
@@ -42,7 +41,7 @@ import unicodedata
 from collections.abc import Callable
 from typing import Any
 
-from kiloserve.gateway.pretoken_cuts import bpe_reason, probe_texts
+from kiloserve.gateway.pretoken_cuts import bpe_reason, per_tokenizer_json, probe_texts
 
 __all__ = ["GPT2_PATTERN", "FastEncoder", "fast_encoder_for", "spec_reason"]
 
@@ -192,17 +191,11 @@ def fast_encoder_for(tokenizer: Any) -> tuple[FastEncoder | None, str]:
         import tiktoken  # noqa: F401  (only whether it is there, here)
     except ImportError:
         return None, "tiktoken is not installed"
-    try:
-        text = tokenizer.to_str()
-    except (AttributeError, TypeError) as exc:
-        return None, f"tokenizer.json not readable ({type(exc).__name__})"
-    key = hashlib.sha256(text.encode()).hexdigest()
-    built = _BUILT.get(key)
-    if built is None:
-        built = _build(tokenizer, json.loads(text))
-        if len(_BUILT) >= _MAX_BUILT:
-            _BUILT.pop(next(iter(_BUILT)))
-        _BUILT[key] = built
+    built = per_tokenizer_json(
+        _BUILT, _MAX_BUILT, tokenizer, lambda text: _build(tokenizer, json.loads(text))
+    )
+    if isinstance(built, str):
+        return None, built
     fast, why = built
     return (fast.copy() if fast is not None else None), why
 

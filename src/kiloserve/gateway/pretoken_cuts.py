@@ -42,7 +42,7 @@ import random
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = [
     "RULES",
@@ -51,6 +51,7 @@ __all__ = [
     "bpe_reason",
     "choose_rules",
     "cutter_for",
+    "per_tokenizer_json",
     "probe_texts",
     "unsupported_reason",
 ]
@@ -253,6 +254,29 @@ def unsupported_reason(tokenizer_json: str) -> str | None:
     return bpe_reason(spec) or _pre_tokenizer_reason(spec.get("pre_tokenizer"))
 
 
+T = TypeVar("T")
+
+
+def per_tokenizer_json(
+    cache: dict[str, T], limit: int, tokenizer: Any, build: Callable[[str], T]
+) -> T | str:
+    """``build(tokenizer.json text)``, kept in ``cache`` (at most ``limit`` entries) per
+    the text's digest: what is built from it is a pure function of it. A string: why the
+    tokenizer's JSON could not be read."""
+    try:
+        text = tokenizer.to_str()
+    except (AttributeError, TypeError) as exc:
+        return f"tokenizer.json not readable ({type(exc).__name__})"
+    key = hashlib.sha256(text.encode()).hexdigest()
+    built = cache.get(key)
+    if built is None:
+        built = build(text)
+        if len(cache) >= limit:
+            cache.pop(next(iter(cache)))
+        cache[key] = built
+    return built
+
+
 _CHOSEN: dict[str, tuple[tuple[str, ...], str]] = {}  # tokenizer.json digest -> rules, why not
 _MAX_CHOSEN = 32
 
@@ -260,18 +284,12 @@ _MAX_CHOSEN = 32
 def cutter_for(tokenizer: Any, chunk_chars: int) -> tuple[Cutter | None, str]:
     """The cutter for a ``tokenizers.Tokenizer`` (None, and why, when no rule holds or
     its shape is not understood). The probes take a few hundred milliseconds, so the
-    rules found are kept per ``tokenizer.json`` content (a pure function of it)."""
-    try:
-        spec = tokenizer.to_str()
-    except (AttributeError, TypeError) as exc:
-        return None, f"tokenizer.json not readable ({type(exc).__name__})"
-    key = hashlib.sha256(spec.encode()).hexdigest()
-    chosen = _CHOSEN.get(key)
-    if chosen is None:
-        chosen = _choose(tokenizer, spec)
-        if len(_CHOSEN) >= _MAX_CHOSEN:
-            _CHOSEN.pop(next(iter(_CHOSEN)))
-        _CHOSEN[key] = chosen
+    rules found are kept per ``tokenizer.json`` content."""
+    chosen = per_tokenizer_json(
+        _CHOSEN, _MAX_CHOSEN, tokenizer, lambda spec: _choose(tokenizer, spec)
+    )
+    if isinstance(chosen, str):
+        return None, chosen
     names, reason = chosen
     by_name = {rule.name: rule for rule in RULES}
     return (Cutter([by_name[n] for n in names], chunk_chars) if names else None), reason
