@@ -6,7 +6,8 @@ Issue 14's per-request target (tokenising and index lookup <= 1 ms of gateway CP
 (``exact_tokens``) makes a repeated head free, but ``tokenizers`` encodes new text at
 about 1 us per token on the development box, so a 2,048-token tail costs ~2 ms.
 ``tiktoken`` runs the same algorithm (a regex split into pre-tokens, then byte-pair
-merges in rank order inside each) about 4-5x faster (benchmarks/prefix_overhead.py).
+merges in rank order inside each) ~8x faster on a whole 8k-token prompt
+(benchmarks/prefix_overhead.py, its "encode only" rows).
 
 The two agree when:
 
