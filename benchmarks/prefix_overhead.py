@@ -346,7 +346,7 @@ def profile_rows(
     tokenizer_path: Path,
     num_exact: int,
     args: argparse.Namespace,
-) -> tuple[list[ProfileRow], Timing]:
+) -> tuple[list[ProfileRow], tuple[Timing, Timing]]:
     """(a): ``Profiler.profile`` per body kind, mode and prefix cap, every request
     with a tail of its own (``per_fresh_call``); and the exact completions prompt's
     ``Tokenizer.encode`` alone (``tokenizers``, no profiler), and the fast encoder's."""
@@ -376,16 +376,15 @@ def profile_rows(
 
                 timing = per_fresh_call(run, pool, args.repeats, args.min_s)
                 rows.append(ProfileRow(cap, kind, mode, tokens, timing))
-    pool = fresh_bodies(prompts, words, raw, num_exact, "completions", args.seed)
-    texts = (body["prompt"] for body in pool)
-    encode = per_fresh_call(lambda text: raw.encode(text), texts, args.repeats, args.min_s)
     fast, why = fast_encoder_for(raw)
     if fast is None:
         raise SystemExit(f"no fast encoder for this tokenizer: {why}")
-    pool = fresh_bodies(prompts, words, raw, num_exact, "completions", args.seed)
-    texts = (body["prompt"] for body in pool)
-    fast_encode = per_fresh_call(fast.encode, texts, args.repeats, args.min_s)
-    return rows, (encode, fast_encode)
+    encodes = []
+    for encode in (raw.encode, fast.encode):
+        pool = fresh_bodies(prompts, words, raw, num_exact, "completions", args.seed)
+        texts = (body["prompt"] for body in pool)
+        encodes.append(per_fresh_call(encode, texts, args.repeats, args.min_s))
+    return rows, (encodes[0], encodes[1])
 
 
 def stored_chain(
