@@ -95,6 +95,7 @@ class BackendFacts:
     routable: bool = True
     draining: bool = False
     unhealthy_reasons: tuple[str, ...] = ()
+    probe_failure: str = ""  # why the gateway's active probes failed ("" once they pass)
     ejected: bool = False
     demoted: bool = False
     in_flight: int = 0
@@ -255,6 +256,7 @@ def facts_from_reads(
         routable=bool(row.get("routable", True)),
         draining=bool(row.get("draining", False)),
         unhealthy_reasons=tuple(str(r) for r in row.get("unhealthy_reasons") or ()),
+        probe_failure=str(row.get("probe_failure") or ""),
         # ejected at either read or during the window: an ejection that expired (and whose
         # half-open trial passed) between the two reads is still this window's evidence
         ejected=bool(flags.get("ejected") or flags_first.get("ejected") or ejections > 0),
@@ -345,13 +347,20 @@ def rule_error_burst(snap: Snapshot) -> list[Finding]:
         share = b.errors / b.attempts if b.attempts else 0.0
         burst = b.errors >= _T["error_min"] and share >= _T["error_share"]
         streak = b.consecutive_errors >= _T["consecutive_errors"]
-        if not (burst or b.ejected or streak):
+        # the gateway's own probe got a 5xx: held out by it, the backend may see no request
+        # in the window at all, and that is still an error burst
+        probe_5xx = _is_5xx_probe(b.probe_failure)
+        if not (burst or b.ejected or streak or probe_5xx):
             continue
         ev, score = [], 0.0
         if b.attempts:
             ev.append(f"{b.errors:g} of {b.attempts:g} attempts answered 5xx ({share:.0%})")
         if burst:
             score = 0.6 + 0.35 * share
+        if probe_5xx:
+            held = "" if b.healthy else ", and holds it out"
+            ev.append(f"the gateway's health probe got {b.probe_failure}{held}")
+            score = max(score, 0.6 if b.healthy else 0.75)
         if streak:
             ev.append(f"{b.consecutive_errors} consecutive errors")
             # a streak is current evidence only while requests still fail (or it is ejected)
@@ -364,6 +373,12 @@ def rule_error_burst(snap: Snapshot) -> list[Finding]:
             ev.append("probably a symptom: the engine does not answer /health")
         out.append(_finding("error_burst", b.name, score, ev))
     return out
+
+
+def _is_5xx_probe(why: str) -> bool:
+    """A probe failure the backend answered with a 5xx (``"completion http 500"``)."""
+    _, sep, status = why.rpartition("http ")
+    return bool(sep) and status.startswith("5") and status.isdigit()
 
 
 def _engine_slow(b: BackendFacts, pool: list[BackendFacts]) -> tuple[float, list[str]]:

@@ -73,6 +73,7 @@ class BackendRecord:
     last_scrape_error: str = ""
     is_scrape_healthy: bool = True
     vetoes: set[str] = field(default_factory=set)  # fault-tolerance reasons to stay unhealthy
+    probe_failure: str = ""  # why the active probes last failed ("" once they pass again)
     is_removing: bool = False  # left the registry; deleted once its in-flight requests end
     # the engine's own cumulative prefix-cache counters (tokens) as last scraped; kept
     # through failed scrapes; None when the engine does not report them
@@ -385,6 +386,12 @@ class BackendTable:
             rec.vetoes.discard(reason)
         self._apply_health(rec)
 
+    def set_probe_failure(self, backend_id: str, why: str) -> None:
+        """Record why the active probes failed (``""``: they pass again)."""
+        rec = self._records.get(backend_id)
+        if rec is not None:
+            rec.probe_failure = why
+
     @staticmethod
     def _apply_health(rec: BackendRecord) -> None:
         healthy = rec.is_scrape_healthy and not rec.vetoes
@@ -509,6 +516,7 @@ class BackendTable:
             "effective_weight": s.effective_weight,
             "healthy": s.healthy,
             "unhealthy_reasons": reasons,
+            "probe_failure": rec.probe_failure,
             "draining": s.draining,
             "routable": s.is_routable,
             "num_running": s.num_running,

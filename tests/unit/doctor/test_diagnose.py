@@ -153,6 +153,22 @@ def test_stale_error_streak_is_weak() -> None:
     assert finding.cause == "error_burst" and finding.score < 0.5
 
 
+def test_a_backend_held_out_for_5xx_probes_is_an_error_burst() -> None:
+    # the gateway's completion probe got a 500 and holds it out: no request of its own in
+    # the window, no ejection, no streak; the probe's answer is the evidence (CI stop 25)
+    held = _ok("a2", healthy=False, unhealthy_reasons=("probe",), errors=0.0, attempts=0.0,
+               probe_failure="completion http 500")  # fmt: skip
+    (finding,) = diagnose(_snap(*POOL[:2], held))
+    assert (finding.cause, finding.backend) == ("error_burst", "a2")
+    assert "completion http 500" in finding.evidence and finding.score >= 0.7
+
+
+@pytest.mark.parametrize("why", ["completion timeout", "health http 404", "connect refused"])
+def test_other_probe_failures_are_not_error_bursts(why: str) -> None:
+    held = _ok("a2", healthy=False, unhealthy_reasons=("probe",), probe_failure=why)
+    assert "error_burst" not in {f.cause for f in diagnose(_snap(*POOL[:2], held))}
+
+
 def test_as_dict_keys() -> None:
     snap, _, _ = CASES["error burst"]
     assert set(diagnose(snap)[0].as_dict()) == {"cause", "backend", "score", "evidence", "advice"}

@@ -168,6 +168,10 @@ class Resilience:
         key = (backend_id, "ok" if is_ok else "fail")
         self.num_probes[key] = self.num_probes.get(key, 0) + 1
         changed = self.probes.record(backend_id, is_ok)
+        if not is_ok:
+            self.table.set_probe_failure(backend_id, why)
+        elif self.probes.is_healthy(backend_id):  # kept while the probes hold it out
+            self.table.set_probe_failure(backend_id, "")
         if is_ok and self.outlier.on_probe_success(backend_id, time.monotonic()):
             self._veto(backend_id, EJECT_VETO, False)
         if changed is False:

@@ -66,3 +66,21 @@ def test_a_timeout_without_progress_counts_and_ejects() -> None:
     r._on_probe("b", False, COMPLETION_TIMEOUT, later)
     assert r.num_probes == {("b", "fail"): 2}
     assert PROBE_VETO in r.table.record("b").vetoes
+
+
+def test_the_latest_probe_failure_is_in_the_backend_row() -> None:
+    # `kiloserve doctor` reads it: a backend held out for 5xx probes sees no request
+    r = _resilience()
+    now = time.monotonic()
+    (row,) = r.table.describe(now)
+    assert row["probe_failure"] == ""
+    for _ in range(2):
+        r._on_probe("b", False, "completion http 500", now)
+    (row,) = r.table.describe(now)
+    assert (row["probe_failure"], row["healthy"]) == ("completion http 500", False)
+    r._on_probe("b", True, "", now)  # one pass: still held out, the reason stays
+    (row,) = r.table.describe(now)
+    assert (row["probe_failure"], row["healthy"]) == ("completion http 500", False)
+    r._on_probe("b", True, "", now)
+    (row,) = r.table.describe(now)
+    assert (row["probe_failure"], row["healthy"]) == ("", True)
