@@ -30,7 +30,8 @@ its KV cache is ``sticky_max_kv_usage`` (0.8) full, its predicted time to first 
 times the best candidate's, or its request load (``signals`` rules; unknown scraped
 load counts as its in-flight requests) exceeds the pool's least by more than
 ``sticky_abs_load`` (2 per unit of capacity weight) and by the factor
-``sticky_rel_load`` (1.5). Then the scores decide.
+``sticky_rel_load`` (1.5), and the pool's mean by more than ``sticky_abs_load``.
+Then the scores decide.
 A prefix hit saves the whole cached prefill, which no load score weighs; the guard
 keeps one hot prefix from piling onto one backend. Docs: docs/policies.md.
 """
@@ -172,7 +173,13 @@ class ScoredPolicy:
             x - UNKNOWN_LOAD_OFFSET if x >= UNKNOWN_LOAD_OFFSET else x for x in load_ranks(pool)
         ]
         load, least = loads[target], min(loads)
-        if load - least > p.sticky_abs_load and load > least * p.sticky_rel_load:
+        # and over its share (the mean): a holder running a few more requests than the
+        # pool's average is not saturated, even while one backend happens to be idle
+        if (
+            load - least > p.sticky_abs_load
+            and load > least * p.sticky_rel_load
+            and load - sum(loads) / len(loads) > p.sticky_abs_load
+        ):
             return None
         return target
 

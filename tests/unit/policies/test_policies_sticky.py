@@ -46,7 +46,7 @@ def test_stays_on_the_warm_backend_while_it_is_not_saturated() -> None:
     [
         ({"num_waiting": 4}, "its engine queues"),
         ({"kv_usage": 0.85}, "its KV cache is full"),
-        ({"in_flight": 6, "num_running": 6}, "request load 6 vs 2: more than 2 and 1.5x"),
+        ({"in_flight": 7, "num_running": 7}, "load 7 vs 2 (mean 4.5): 2 over both, 1.5x"),
         ({"outstanding_prefill_tokens": 40_000}, "queued prefill: predicted TTFT far worse"),
     ],
 )
@@ -55,6 +55,20 @@ def test_a_saturated_warm_backend_lets_the_scores_decide(
 ) -> None:
     chosen, reason = choose(warm_policy(), backend("cold"), backend("warm", **saturated))
     assert (chosen, reason) != ("warm", "prefix"), why
+
+
+def test_a_holder_near_the_pools_average_load_is_not_saturated() -> None:
+    # a cold start: the holder runs three short requests, one backend has just gone
+    # idle, the others run about as many; leaving would cost a 2k-token cold prefill
+    # (8 tenant moves in 600 requests when only the least loaded was compared:
+    # tests/unit/sim/test_sim_tenant_moves.py)
+    warm = backend("warm", num_running=3, in_flight=3)
+    idle = backend("idle", num_running=0, in_flight=0, kv_usage=0.0)
+    pool = (idle, warm, *(backend(f"b{i}", num_running=2, in_flight=2) for i in range(4)))
+    assert choose(warm_policy(), *pool) == ("warm", "prefix")
+    # over its share (the pool's mean) by more than 2 as well: saturated
+    hot = backend("warm", num_running=6, in_flight=6)
+    assert choose(warm_policy(), idle, hot, *pool[2:])[1] != "prefix"
 
 
 def test_sticky_off_and_short_matches_use_the_scores() -> None:
