@@ -62,7 +62,7 @@ from kiloserve.catalog import get_gpu, get_model  # noqa: E402
 from kiloserve.engine.timing import StepTimeModel  # noqa: E402
 from kiloserve.launch.cluster import LocalCluster, describe_backend  # noqa: E402
 from kiloserve.launch.config import ClusterConfig, parse_cluster_config  # noqa: E402
-from kiloserve.results.metrics import summarize  # noqa: E402
+from kiloserve.results.metrics import summarize, tenant_moves  # noqa: E402
 from kiloserve.results.records import RequestRecord  # noqa: E402
 from kiloserve.results.report import write_report  # noqa: E402
 from kiloserve.tokens import tokenize  # noqa: E402
@@ -253,21 +253,6 @@ def steady_start_s(workload: Workload) -> float:
 def steady_ttfts_ms(records: list[RequestRecord], start_s: float) -> list[float]:
     return [r.ttft_s * 1000 for r in records
             if r.is_ok and r.ttft_s is not None and (r.scheduled_s or 0.0) >= start_s]  # fmt: skip
-
-
-def tenant_moves(records: list[RequestRecord]) -> int:
-    """Requests of a tenant seen before sent to a backend that never served it (each
-    one a cold prefill the oracle would not pay)."""
-    served: dict[str | None, set[str | None]] = {}
-    moves = 0
-    for r in sorted(records, key=lambda r: r.scheduled_s or 0.0):
-        backends = served.get(r.prefix_group)
-        if backends is None:
-            served[r.prefix_group] = {r.backend}
-        elif r.backend not in backends:
-            moves += 1
-            backends.add(r.backend)
-    return moves
 
 
 def kv_events_line(seen: list[dict[str, Any]]) -> str:

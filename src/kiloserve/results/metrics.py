@@ -44,6 +44,7 @@ __all__ = [
     "p95_std_across",
     "parse_slo",
     "summarize",
+    "tenant_moves",
 ]
 
 SCHEMA_VERSION = 1
@@ -233,3 +234,18 @@ def top_errors(records: Iterable[RequestRecord], max_num_errors: int = 5) -> dic
     """The most frequent error messages and their counts."""
     counts = Counter(r.error or "unknown error" for r in records if not r.is_ok)
     return dict(counts.most_common(max_num_errors))
+
+
+def tenant_moves(records: Iterable[RequestRecord]) -> int:
+    """Requests of a prefix group (tenant) seen before, sent to a backend that never
+    served it (each one a cold prefill an oracle of the engines' caches would not pay)."""
+    served: dict[str | None, set[str | None]] = {}
+    moves = 0
+    for r in sorted(records, key=lambda r: r.scheduled_s or 0.0):
+        backends = served.get(r.prefix_group)
+        if backends is None:
+            served[r.prefix_group] = {r.backend}
+        elif r.backend not in backends:
+            moves += 1
+            backends.add(r.backend)
+    return moves

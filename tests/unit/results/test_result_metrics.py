@@ -10,7 +10,7 @@ import pytest
 from kiloserve.bench.stream import StreamState
 from kiloserve.bench.sweep import find_knee, parse_sweep
 from kiloserve.errors import ConfigError
-from kiloserve.results.metrics import is_good, latency_stats, parse_slo, summarize
+from kiloserve.results.metrics import is_good, latency_stats, parse_slo, summarize, tenant_moves
 from kiloserve.results.records import BenchResult, ClientStats, RequestRecord
 
 
@@ -203,3 +203,17 @@ def test_parse_sweep() -> None:
     for bad in ("qps=1,2", "concurrency=1.5", "rate=", "rate=-1"):
         with pytest.raises(ConfigError):
             parse_sweep(bad)
+
+
+def test_tenant_moves_count_requests_sent_where_their_tenant_never_was() -> None:
+    def rec(t: float, group: str, backend: str) -> RequestRecord:
+        return RequestRecord(
+            request_id=f"{group}-{t}", scheduled_s=t, start_s=t, input_tokens=10, max_tokens=1,
+            output_tokens=1, ttft_s=0.1, itl_s=[], e2e_s=0.1, is_ok=True, backend=backend,
+            status=200, error=None, prefix_group=group,
+        )  # fmt: skip
+
+    # out of order on purpose: counted in the order they were scheduled
+    records = [rec(3.0, "a", "b1"), rec(1.0, "a", "b0"), rec(2.0, "b", "b1"),
+               rec(4.0, "a", "b0"), rec(5.0, "a", "b1"), rec(6.0, "b", "b0")]  # fmt: skip
+    assert tenant_moves(records) == 2  # a: b0 -> b1 (t=3), b: b1 -> b0 (t=6)

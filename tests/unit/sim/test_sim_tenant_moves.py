@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from kiloserve.launch.config import parse_cluster_config
+from kiloserve.results.metrics import tenant_moves
 from kiloserve.sim import simulate
 from kiloserve.workload import load_workload
 
@@ -28,21 +29,10 @@ def _run(policy: str, kv_events: bool) -> Any:
     return simulate(cluster, workload, policy, seed=0, keep_records=True)
 
 
-def _tenant_moves(records: list[Any]) -> int:
-    """Requests sent to a backend that never served their tenant before."""
-    seen: dict[str, set[str]] = {}
-    moves = 0
-    for r in sorted(records, key=lambda r: r.start_s):
-        held = seen.setdefault(r.prefix_group, set())
-        moves += bool(held) and r.backend not in held
-        held.add(r.backend)
-    return moves
-
-
 def test_the_default_keeps_its_tenants_through_the_cold_start() -> None:
     default = _run("default", kv_events=True)
     baseline = _run("prefix_affinity", kv_events=False)
-    assert _tenant_moves(default.records) <= 2  # 8 with the old guard
+    assert tenant_moves(default.records) <= 2  # 8 with the old guard
     p90, base_p90 = default.summary["ttft_ms"]["p90"], baseline.summary["ttft_ms"]["p90"]
     assert p90 <= 1.1 * base_p90, (p90, base_p90)
     hits = default.summary["prefix_cache"]["hit_rate"]
