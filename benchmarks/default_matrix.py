@@ -6,6 +6,8 @@
         --policies least_request,default --loads 0.9 --json /tmp/matrix.json
     .venv/bin/python benchmarks/default_matrix.py --live --capacities /tmp/caps.json \\
         --json /tmp/matrix-live.json                             # live: twins + gateway
+    .venv/bin/python benchmarks/default_matrix.py --policies default \\
+        --default-params '{"sticky_abs_load": 4}'               # the default, other params
 
 The contract (issue): on every workload family, at 50-90% load in the simulator at 1,024
 GPUs (``examples/cluster-1024.yaml``), no shipped policy beats ``default`` by more than
@@ -367,8 +369,10 @@ def run_one(
     span_s: float, warmup_s: float, args: argparse.Namespace,
 ) -> dict[str, Any]:  # fmt: skip
     t0 = time.perf_counter()
-    result = simulate(cluster, workload, policy, seed=args.seed, model=args.model,
-                      traces_dir=args.traces_dir, keep_records=True, slo=SLO)  # fmt: skip
+    params = args.default_params if policy == "default" else None
+    result = simulate(cluster, workload, policy, policy_params=params, seed=args.seed,
+                      model=args.model, traces_dir=args.traces_dir, keep_records=True,
+                      slo=SLO)  # fmt: skip
     wall_s = time.perf_counter() - t0
     s = result.summary
     metrics, ok = measured(result.records, span_s, warmup_s)
@@ -658,6 +662,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--traces-dir", type=Path)
     p.add_argument("--capacities", type=Path, help="JSON cache of the capacity searches")
     p.add_argument("--json", type=Path, help="write every run's key numbers here")
+    p.add_argument("--default-params", type=json.loads, default=None,
+                   help="JSON params of the default policy (not with --live)")  # fmt: skip
     args = p.parse_args(argv)  # fmt: skip
     args.span = args.span or (16.0 if args.quick else 24.0)
     args.min_requests = args.min_requests or (1500 if args.quick else 3000)
@@ -667,6 +673,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.live and (args.model is not None or args.cluster is not None):
         p.error(f"--live runs the {LIVE_MODEL} pool of {LIVE_CLUSTER.relative_to(REPO)}; "
                 "--model and --cluster are for the simulator")  # fmt: skip
+    if args.live and args.default_params is not None:
+        p.error("--default-params is for the simulator")
+    if args.default_params is not None and not isinstance(args.default_params, dict):
+        p.error("--default-params takes a JSON object")
     if args.live_requests < 1:
         p.error("need --live-requests >= 1")
     args.cluster = args.cluster or (LIVE_CLUSTER if args.live else CLUSTER)
