@@ -376,7 +376,8 @@ def rule_error_burst(snap: Snapshot) -> list[Finding]:
 
 
 def _is_5xx_probe(why: str) -> bool:
-    """A probe failure the backend answered with a 5xx (``"completion http 500"``)."""
+    """A probe failure the backend answered with a 5xx: the prober's ``"<probe> http
+    <status>"`` (``gateway/resilience/prober.py``, e.g. ``"completion http 500"``)."""
     _, sep, status = why.rpartition("http ")
     return bool(sep) and status.startswith("5") and status.isdigit()
 
