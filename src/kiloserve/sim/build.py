@@ -70,6 +70,8 @@ COMPILED_MODULES = (
     "kiloserve.sim.results",
     "kiloserve.sim.prompts",
     "kiloserve.sim.kvevents",
+    "kiloserve.sim.demotion",
+    "kiloserve.gateway.resilience.slow_nodes",
     "kiloserve.kvevents.index",
     "kiloserve.policies.signals",
     "kiloserve.policies.round_robin",
