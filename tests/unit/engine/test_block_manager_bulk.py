@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import random
-from collections import OrderedDict
 from pathlib import Path
 
 from kiloserve.engine.block_manager import BlockManager
@@ -40,8 +39,9 @@ class OneAtATime(_interpreted_block_manager()):  # type: ignore[misc]
                 continue
             if self._hashes[block_id] is None:
                 self._free_uncached.append(block_id)
-            else:
-                self._free_cached[block_id] = None
+            else:  # one LRU entry per block
+                self._lru.append(block_id)
+                self._num_free_cached += 1
         seq.block_table = []
         seq.num_hashed_blocks = 0
 
@@ -51,7 +51,7 @@ def _state(bm: BlockManager) -> tuple[object, ...]:
         list(bm._ref_counts),
         list(bm._hashes),
         list(bm._free_uncached),
-        list(OrderedDict(bm._free_cached)),
+        bm.free_block_order(),
         dict(bm._hash_to_block),
         bm.num_free_blocks,
     )
