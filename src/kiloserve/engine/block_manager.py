@@ -309,20 +309,22 @@ class BlockManager:
         """Register blocks ``begin .. end - 1`` of ``seq`` as one run when none of their
         hashes is in the index yet (the common case: a prompt's blocks past its hits);
         False, with nothing changed, when some is (the per-block loop decides then)."""
-        run_hashes = seq.block_hashes[begin:end]
+        block_hashes, block_table = seq.block_hashes, seq.block_table
+        if len(block_hashes) < end:
+            return False
         hash_to_block = self._hash_to_block
-        if len(run_hashes) != end - begin or not hash_to_block.keys().isdisjoint(run_hashes):
-            return False
-        num_before = len(hash_to_block)
-        run_ids = seq.block_table[begin:end]
-        hash_to_block.update(zip(run_hashes, run_ids, strict=True))
-        if len(hash_to_block) != num_before + len(run_hashes):  # a hash twice in the run
-            for block_hash in run_hashes:
-                hash_to_block.pop(block_hash, None)
-            return False
+        setdefault = hash_to_block.setdefault
+        num = len(hash_to_block)
+        for index in range(begin, end):  # one lookup per block: setdefault, then a count
+            setdefault(block_hashes[index], block_table[index])
+            num += 1
+            if len(hash_to_block) != num:  # cached already, or twice in the run: undo
+                for undo in range(begin, index):
+                    del hash_to_block[block_hashes[undo]]
+                return False
         hashes = self._hashes
-        for block_id, block_hash in zip(run_ids, run_hashes, strict=True):
-            hashes[block_id] = block_hash
+        for index in range(begin, end):
+            hashes[block_table[index]] = block_hashes[index]
         if self.kv_sink is not None:
             self.kv_sink.stored(seq, begin, end)
         return True
