@@ -57,7 +57,7 @@ never tiered (nobody else could hit them).
 from __future__ import annotations
 
 from collections import deque
-from typing import Protocol
+from typing import Protocol, cast
 
 from kiloserve.engine.kv_tiers import KvTiers
 from kiloserve.engine.sequence import Sequence
@@ -309,22 +309,23 @@ class BlockManager:
         """Register blocks ``begin .. end - 1`` of ``seq`` as one run when none of their
         hashes is in the index yet (the common case: a prompt's blocks past its hits);
         False, with nothing changed, when some is (the per-block loop decides then)."""
-        block_hashes, block_table = seq.block_hashes, seq.block_table
+        # object views: compiled, no int is unboxed and boxed again (a new int object)
+        block_hashes = cast("list[object]", seq.block_hashes)
+        block_table = cast("list[object]", seq.block_table)
         if len(block_hashes) < end:
             return False
-        hash_to_block = self._hash_to_block
-        setdefault = hash_to_block.setdefault
+        hash_to_block = cast("dict[object, object]", self._hash_to_block)
         num = len(hash_to_block)
         for index in range(begin, end):  # one lookup per block: setdefault, then a count
-            setdefault(block_hashes[index], block_table[index])
+            hash_to_block.setdefault(block_hashes[index], block_table[index])
             num += 1
             if len(hash_to_block) != num:  # cached already, or twice in the run: undo
                 for undo in range(begin, index):
                     del hash_to_block[block_hashes[undo]]
                 return False
-        hashes = self._hashes
+        hashes = cast("list[object]", self._hashes)
         for index in range(begin, end):
-            hashes[block_table[index]] = block_hashes[index]
+            hashes[cast("int", block_table[index])] = block_hashes[index]
         if self.kv_sink is not None:
             self.kv_sink.stored(seq, begin, end)
         return True
@@ -379,19 +380,22 @@ class BlockManager:
             self._free_private(seq, num_shared)
             table = table[:num_shared]
         ref_counts, hashes = self._ref_counts, self._hashes
-        free_uncached = self._free_uncached
-        cached: list[int] = []  # to the LRU's end, in this order
-        for block_id in reversed(table):
+        # The ids as the objects they are (compiled, an int read from a list[int] is
+        # unboxed, and boxing it again for an append allocates a new int object)
+        free_uncached = cast("list[object]", self._free_uncached)
+        cached: list[object] = []  # to the LRU's end, in this order
+        for item in reversed(cast("list[object]", table)):
+            block_id = cast("int", item)
             num_refs = ref_counts[block_id] - 1
             ref_counts[block_id] = num_refs
             if num_refs > 0:
                 continue
             if hashes[block_id] is None:
-                free_uncached.append(block_id)
+                free_uncached.append(item)
             else:
-                cached.append(block_id)
+                cached.append(item)
         if cached:
-            self._lru.extend(cached)
+            cast("deque[object]", self._lru).extend(cached)
             self._num_free_cached += len(cached)
             self._maybe_compact()
         seq.block_table = []
