@@ -141,7 +141,10 @@ class KvBlockIndex:
         self.block_size = block_size
         self.hasher: LocalHasher = hasher or TokenHasher(block_size)
         self.max_blocks_per_backend = max_blocks_per_backend
-        self._holders: dict[int, frozenset[str]] = {}
+        # block -> its holders: one backend's shared frozenset({backend}) (_only), or a
+        # set of the block's own when several hold it (added to in place: a union per
+        # new holder copied sets of hundreds of backends at 1,024 GPUs)
+        self._holders: dict[int, frozenset[str] | set[str]] = {}
         self._only: dict[str, frozenset[str]] = {}  # backend -> frozenset({backend})
         # per backend: engine hash -> its local hashes (an int: the hash itself, identity)
         self._blocks: dict[str, dict[EngineHash, tuple[int, ...] | int]] = {}
@@ -229,7 +232,10 @@ class KvBlockIndex:
         for sub in subs:
             held = holders.setdefault(sub, only)  # one lookup for a block nobody held
             if held is not only and backend_id not in held:
-                holders[sub] = held | only
+                if isinstance(held, frozenset):  # another backend's only: a set of its own
+                    holders[sub] = {*held, backend_id}
+                else:
+                    held.add(backend_id)
 
     def _release(self, backend_id: str, subs: tuple[int, ...] | int) -> None:
         """``backend_id`` no longer holds the local blocks ``subs``."""
@@ -247,8 +253,11 @@ class KvBlockIndex:
         if len(held) == 1:
             del holders[sub]
             return
-        rest = held - self._only_holder(backend_id)
-        holders[sub] = self._only_holder(next(iter(rest))) if len(rest) == 1 else rest
+        if len(held) == 2:  # one left: its shared frozenset
+            first, second = held
+            holders[sub] = self._only_holder(second if first == backend_id else first)
+            return
+        cast("set[str]", held).discard(backend_id)  # (several: the block's own set)
 
     def _store(self, backend_id: str, event: BlockStored) -> None:
         counters = self.counters

@@ -5,18 +5,23 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from kiloserve.kvevents.index import IdentityHasher, KvBlockIndex
 from kiloserve.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
 
 
-def test_random_stores_removals_and_clears_match_a_plain_model() -> None:
+@pytest.mark.parametrize("backends", ["ab", "abcde"])
+def test_random_stores_removals_and_clears_match_a_plain_model(backends: str) -> None:
+    """Two backends, and five (blocks held by three or more: the holder sets that are
+    changed in place)."""
     rng = random.Random(7)
     index = KvBlockIndex(16, IdentityHasher())
-    held: dict[str, set[int]] = {"a": set(), "b": set()}
+    held: dict[str, set[int]] = {b: set() for b in backends}
     chains = [[rng.getrandbits(62) for _ in range(40)] for _ in range(6)]
     num_stored = num_removed = 0
     for _ in range(600):
-        backend = rng.choice("ab")
+        backend = rng.choice(backends)
         chain = rng.choice(chains)
         begin = rng.randrange(len(chain))
         end = rng.randrange(begin, len(chain)) + 1
@@ -44,7 +49,7 @@ def test_random_stores_removals_and_clears_match_a_plain_model() -> None:
                 if depth:
                     expected[backend_id] = depth
             assert index.match_depths(chain_) == expected
-        assert index.num_blocks == len(held["a"] | held["b"])
+        assert index.num_blocks == len(set().union(*held.values()))
         assert index.num_backend_blocks("a") == len(held["a"])
     assert index.counters.stored == num_stored
     assert index.counters.removed == num_removed
