@@ -24,6 +24,7 @@ class LeastKvParams(PolicyParams):
 
 class LeastKvPolicy(SortedPolicy):
     name = "least_kv"
+    reads_prefix_hashes = False  # (optional Policy attribute: see protocol.py)
 
     def __init__(self, params: LeastKvParams | None = None) -> None:
         self.params = params or LeastKvParams()

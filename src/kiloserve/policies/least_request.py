@@ -24,6 +24,7 @@ class LeastRequestParams(PolicyParams):
 
 class LeastRequestPolicy(SortedPolicy):
     name = "least_request"
+    reads_prefix_hashes = False  # (optional Policy attribute: see protocol.py)
 
     def __init__(self, params: LeastRequestParams | None = None) -> None:
         self.params = params or LeastRequestParams()

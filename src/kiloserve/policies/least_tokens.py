@@ -26,6 +26,7 @@ class LeastTokensParams(PolicyParams):
 
 class LeastTokensPolicy(SortedPolicy):
     name = "least_tokens"
+    reads_prefix_hashes = False  # (optional Policy attribute: see protocol.py)
 
     def __init__(self, params: LeastTokensParams | None = None) -> None:
         self.params = params or LeastTokensParams()

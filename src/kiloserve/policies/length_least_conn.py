@@ -61,6 +61,7 @@ def free_kv_amounts(pool: Sequence[BackendState]) -> list[float]:
 
 class LengthLeastConnPolicy(SortedPolicy):
     name = "length_least_conn"
+    reads_prefix_hashes = False  # (optional Policy attribute: see protocol.py)
 
     def __init__(self, params: LengthLeastConnParams | None = None) -> None:
         self.params = params or LengthLeastConnParams()

@@ -30,6 +30,7 @@ def _key(b: BackendState) -> tuple[float, float]:
 
 class PowerOfTwoPolicy(StatelessHooks):
     name = "power_of_two"
+    reads_prefix_hashes = False  # (optional Policy attribute: see protocol.py)
 
     def __init__(self, params: PowerOfTwoParams | None = None) -> None:
         self.params = params or PowerOfTwoParams()

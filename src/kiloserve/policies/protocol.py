@@ -19,7 +19,13 @@ __all__ = ["Policy"]
 
 @runtime_checkable
 class Policy(Protocol):
-    """Routing policy. ``choose`` is pure; hooks may update the policy's own state."""
+    """Routing policy. ``choose`` is pure; hooks may update the policy's own state.
+
+    Optional attribute ``reads_prefix_hashes`` (bool, taken as True when absent): False
+    says ``choose`` and the hooks never read ``RequestInfo.prefix_hashes``, so the
+    simulator leaves them empty instead of hashing every prompt (round robin and the
+    least-load policies say so; ``scored`` says so when no scorer of its reads them).
+    """
 
     name: str
 

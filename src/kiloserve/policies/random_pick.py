@@ -23,6 +23,7 @@ class RandomParams(PolicyParams):
 
 class RandomPolicy(StatelessHooks):
     name = "random"
+    reads_prefix_hashes = False  # (optional Policy attribute: see protocol.py)
 
     def __init__(self, params: RandomParams | None = None) -> None:
         self.params = params or RandomParams()

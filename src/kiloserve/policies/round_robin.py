@@ -30,6 +30,7 @@ class RoundRobinParams(PolicyParams):
 
 class RoundRobinPolicy:
     name = "round_robin"
+    reads_prefix_hashes = False  # (optional Policy attribute: see protocol.py)
 
     def __init__(self, params: RoundRobinParams | None = None) -> None:
         self.params = params or RoundRobinParams()

@@ -102,6 +102,7 @@ class ScoredPolicy:
         if "prefix" in active or "ttft" in active:
             self.index = PrefixIndex(p.max_num_blocks, p.max_num_holders_per_block)
         self._rings = RingCache(p.num_vnodes) if "session" in active else None
+        self.reads_prefix_hashes = self.index is not None  # (Policy's optional attribute)
 
     def choose(
         self, request: RequestInfo, snapshot: ClusterSnapshot, rng: random.Random

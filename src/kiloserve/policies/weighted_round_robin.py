@@ -50,6 +50,7 @@ class WeightedRoundRobinParams(SeedWeightedParams):
 
 class WeightedRoundRobinPolicy:
     name = "weighted_round_robin"
+    reads_prefix_hashes = False  # (optional Policy attribute: see protocol.py)
 
     def __init__(self, params: WeightedRoundRobinParams | None = None) -> None:
         self.params = params or WeightedRoundRobinParams()

@@ -80,7 +80,9 @@ class SimGateway:
         self.backends = backends
         self._index_of = {b.backend_id: b.index for b in backends}
         self._records = [self.table.record(b.backend_id) for b in backends]
-        self._num_prefix_blocks = cfg.max_prefix_tokens // cfg.block_size
+        # the prompt's block hashes, for a policy that reads them (policies/protocol.py)
+        reads = getattr(policy, "reads_prefix_hashes", True)
+        self._num_prefix_blocks = cfg.max_prefix_tokens // cfg.block_size if reads else 0
         # each model's candidates; None after a scrape changed a backend's health (the
         # only way health changes here: no admin drains or probes are modelled; demotion
         # changes weights, which the candidates read live)
