@@ -26,10 +26,11 @@ a multi-process gateway is its supervisor's plus every worker's (``/proc`` child
 
     .venv/bin/python benchmarks/gateway_overhead.py --workers 2
 
-``--profile FILE`` runs the gateway under cProfile (``python -m cProfile -o FILE -m
-kiloserve gateway ...``) and prints its functions by own and cumulative time after the
-run (where the per-request CPU goes; the run's CPU figures then include the
-profiler's own cost, so read shares, not microseconds):
+``--profile FILE`` runs the gateway under cProfile timed by the gateway's own CPU clock
+(``time.process_time``: the event loop's sleep in select() is not charged to whatever
+was awaiting, as a wall-clock profile does) and prints its functions by own and
+cumulative time after the run (where the per-request CPU goes; the run's CPU figures
+then include the profiler's own cost, so read shares, not microseconds):
 
     .venv/bin/python benchmarks/gateway_overhead.py --quick --profile /tmp/gw.prof
 """

@@ -36,9 +36,12 @@ a fifth of a Mooncake run's event loop).
 
 Run registration (same speed idea for shared blocks): a run of newly full blocks none
 of whose hashes is cached yet (a prompt past its hits, the common case) enters the
-hash index in one ``dict.update`` and is reported as one ``stored`` run; a run with a
-cached hash (or a hash twice) goes through the per-block loop, which decides exactly
-as before (``tests/unit/engine/test_block_manager_runs.py``).
+hash index with one ``setdefault`` per block (a block whose hash was there already
+undoes the run's entries) and is reported as one ``stored`` run; a run with a cached
+hash (or a hash twice) goes through the per-block loop, which decides exactly as
+before (``tests/unit/engine/test_block_manager_runs.py``). The per-block loops read ids
+through ``object`` views: compiled, an int read from a ``list[int]`` is unboxed, and
+boxing it again allocates a new int object.
 
 KV-cache events: a ``KvEventSink`` in ``kv_sink`` is told of every change to the hash
 index, the facts vLLM publishes with ``--kv-events-config``: each run of blocks newly

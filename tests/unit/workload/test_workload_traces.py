@@ -73,6 +73,20 @@ def test_trace_files_may_be_plain_xz_or_gz(tmp_path: Path) -> None:
         read_trace("mooncake", plain)
 
 
+def test_a_trace_is_parsed_once_per_file_version(tmp_path: Path) -> None:
+    """read_trace caches the parsed rows by (file, mtime, size): a simulation reads its
+    trace twice. Each caller gets a list of its own; an edited file is parsed again."""
+    path = tmp_path / "azure_code_2023.csv"
+    path.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0.5,10,3\n")
+    first, second = read_trace("azure-code", tmp_path), read_trace("azure-code", tmp_path)
+    assert first == second and first is not second
+    assert first[0] is second[0]  # the same parsed row: not parsed again
+    first.clear()
+    assert read_trace("azure-code", tmp_path) == second
+    path.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n0.5,70,3\n1.0,8,2\n")
+    assert [r.input_tokens for r in read_trace("azure-code", tmp_path)] == [70, 8]
+
+
 @pytest.mark.parametrize(
     ("name", "num_rows", "mean_in", "mean_out"),
     [
