@@ -154,19 +154,30 @@ class BlockManager:
     def free_block_order(self) -> list[int]:
         """Ids of free, already-used blocks in the order they would be taken (for tests)."""
         order = list(reversed(self._free_uncached))
-        stale: dict[int, int] = {}  # dead entries of a block still ahead
-        for key in self._lru:
+        for key in self._live_entries():
             if key < 0:
-                segment = self._segments.get(key)
-                if segment is not None:  # (None: taken back whole, a dead entry)
-                    order += segment
-                continue
-            num_dead = stale.get(key, self._stale[key])
-            if num_dead:  # a block's dead entries come before its live one
-                stale[key] = num_dead - 1
+                order += self._segments[key]
             else:
                 order.append(key)
         return order
+
+    def _live_entries(self) -> list[int]:
+        """The LRU's live entries (block ids, segment keys), oldest first: a segment's
+        entry is dead once it was taken back whole, a block's first ``_stale[block]``
+        entries are (its dead entries come before its live one)."""
+        stale: dict[int, int] = {}  # dead entries of a block still ahead
+        live: list[int] = []
+        for key in self._lru:
+            if key < 0:
+                if key in self._segments:
+                    live.append(key)
+                continue
+            num_dead = stale.get(key, self._stale[key])
+            if num_dead:
+                stale[key] = num_dead - 1
+            else:
+                live.append(key)
+        return live
 
     @staticmethod
     def _num_shared(seq: Sequence, num_blocks: int) -> int:
@@ -407,20 +418,10 @@ class BlockManager:
     def _maybe_compact(self) -> None:
         """Drop the LRU's dead entries once they outnumber the live ones (plus slack), so
         it stays O(free blocks) however many hits take blocks back."""
-        lru = self._lru
-        if len(lru) <= 2 * (self._num_free_cached + len(self._segments)) + self.lru_slack:
+        if len(self._lru) <= 2 * (self._num_free_cached + len(self._segments)) + self.lru_slack:
             return
-        stale, segments = self._stale, self._segments
-        live: list[int] = []
-        for key in lru:
-            if key < 0:
-                if key in segments:
-                    live.append(key)
-            elif stale[key]:
-                stale[key] -= 1  # (ends at 0: every dead entry of the block is passed)
-            else:
-                live.append(key)
-        self._lru = deque(live)
+        self._lru = deque(self._live_entries())
+        self._stale = [0] * len(self._stale)  # no dead entry is left
 
     def _free_private(self, seq: Sequence, begin: int) -> None:
         """Free ``seq``'s private blocks (table from ``begin``), tail first: unregistered
