@@ -79,7 +79,7 @@ class TraceRow:
 
 # Parsed traces by (file, mtime, size): a simulation reads its trace twice (the workload,
 # then the Mooncake prompts' hash ids), and a sweep once per run; parsing the Mooncake
-# trace costs ~0.2 s. An edited file has a new key.
+# trace costs 60-90 ms (docs/simulator.md, "Fifth round"). An edited file has a new key.
 _ROWS: dict[tuple[str, int, int], list[TraceRow]] = {}
 _MAX_CACHED = 4
 
