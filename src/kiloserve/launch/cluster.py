@@ -300,11 +300,17 @@ class LocalCluster:
         return self.run_dir / f"{name}.log"
 
     def stop(self) -> None:
-        """Stop the gateway first (no new work), then every engine."""
-        if self.gateway is not None:
-            self.gateway.stop()
-        for child in self.children:
-            child.stop()
+        """Stop the gateway first (no new work), then every engine; every process is
+        stopped even when stopping one fails, and the first failure is raised after."""
+        failures: list[BaseException] = []
+        for child in [*([self.gateway] if self.gateway else []), *self.children]:
+            try:
+                child.stop()
+            except Exception as exc:  # re-raised below, after the rest are stopped
+                log.warning("stopping %s failed: %s", child.name, exc)
+                failures.append(exc)
+        if failures:
+            raise failures[0]
 
     def pids(self) -> list[int]:
         procs = [*self.children, *([self.gateway] if self.gateway else [])]

@@ -26,6 +26,9 @@ __all__ = ["ChildProcess", "tail"]
 
 log = logging.getLogger(__name__)
 
+#: How long ``ChildProcess.stop`` waits for a SIGKILLed child to be gone.
+KILL_WAIT_S = 30.0
+
 
 def _die_with_parent() -> None:
     """In the child, before exec: get SIGTERM when the parent dies (Linux), so a
@@ -107,8 +110,10 @@ class ChildProcess:
             f"{timeout_s:.0f} s; last log lines ({self.log_path}):\n{tail(self.log_path)}"
         )
 
-    def stop(self, grace_s: float = 5.0) -> None:
-        """SIGTERM the child's process group, then SIGKILL after ``grace_s``."""
+    def stop(self, grace_s: float = 5.0, kill_wait_s: float = KILL_WAIT_S) -> None:
+        """SIGTERM the child's process group, then SIGKILL after ``grace_s``; wait up to
+        ``kill_wait_s`` for a killed child to be gone (a starved box can take seconds to
+        tear down a large process) and raise ``subprocess.TimeoutExpired`` only then."""
         if self.proc is None or self.proc.poll() is not None:
             return
         self._signal_group(signal.SIGTERM)
@@ -116,7 +121,9 @@ class ChildProcess:
             self.proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
             self._signal_group(signal.SIGKILL)
-            self.proc.wait(timeout=grace_s)
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()  # the child itself, should it have left its group
+            self.proc.wait(timeout=kill_wait_s)
         # Anything the child left behind in its session goes too.
         self._signal_group(signal.SIGKILL)
 
