@@ -333,7 +333,12 @@ class Scheduler:
             computed = seq.num_computed_tokens
             first_step = len(seq.block_table) * size - computed + 1
             if first_step <= num_steps:
-                allocations += [(step, index) for step in range(first_step, num_steps + 1, size)]
+                # while loops, not range(..., size): compiled, a range with a variable step
+                # is a generic Python object (docs/simulator.md, "Compiled build")
+                step = first_step
+                while step <= num_steps:
+                    allocations.append((step, index))
+                    step += size
                 private = seq.private_from_block
                 is_all_private = is_all_private and private is not None
                 is_all_private = is_all_private and len(seq.block_table) >= (private or 0)
@@ -343,10 +348,10 @@ class Scheduler:
                 if private is not None and seq.num_hashed_blocks >= private:
                     seq.num_hashed_blocks = (computed + num_steps) // size  # counted only
                 else:
-                    registrations += [
-                        (step, index, computed + step)
-                        for step in range(first_step, num_steps + 1, size)
-                    ]
+                    step = first_step
+                    while step <= num_steps:
+                        registrations.append((step, index, computed + step))
+                        step += size
             seq.num_computed_tokens = computed + num_steps
         if registrations:
             self._apply_block_events(seqs, allocations, registrations)

@@ -26,7 +26,9 @@ Names understood (``field <- names``):
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from typing import ClassVar, Final
+
+from kiloserve.values import Value
 
 __all__ = ["PCIE_PEAK_BYTES_S", "EngineMetrics", "parse_engine_metrics", "parse_samples"]
 
@@ -62,19 +64,47 @@ _NAMES: dict[str, tuple[str, str]] = {
 _ENGINE_PREFIXES = (("vllm:", "vllm"), ("sglang:", "sglang"), ("llamacpp:", "llamacpp"))
 
 
-@dataclass(slots=True)
-class EngineMetrics:
-    """The engine signals the gateway uses; ``None`` means the engine did not say."""
+class EngineMetrics(Value):
+    """The engine signals the gateway uses; ``None`` means the engine did not say.
 
-    engine: str | None = None
-    num_running: int | None = None
-    num_waiting: int | None = None
-    kv_usage: float | None = None
-    prefix_hit_rate: float | None = None
-    num_preemptions: int | None = None
-    pcie_util: float | None = None
-    prefix_queries_tokens: float | None = None  # cumulative counter (resets on restart)
-    prefix_hits_tokens: float | None = None
+    A ``Value`` (read-only, equality by fields), not a dataclass: the simulator builds
+    one per changed backend per scrape round, and its compiled build would run a
+    dataclass's ``__init__`` as interpreted code (``kiloserve.values``)."""
+
+    _FIELDS: ClassVar[tuple[str, ...]] = (
+        "engine",
+        "num_running",
+        "num_waiting",
+        "kv_usage",
+        "prefix_hit_rate",
+        "num_preemptions",
+        "pcie_util",
+        "prefix_queries_tokens",
+        "prefix_hits_tokens",
+    )
+    __slots__ = _FIELDS
+
+    def __init__(
+        self,
+        engine: str | None = None,
+        num_running: int | None = None,
+        num_waiting: int | None = None,
+        kv_usage: float | None = None,
+        prefix_hit_rate: float | None = None,
+        num_preemptions: int | None = None,
+        pcie_util: float | None = None,
+        prefix_queries_tokens: float | None = None,  # cumulative counter (resets on restart)
+        prefix_hits_tokens: float | None = None,
+    ) -> None:
+        self.engine: Final = engine
+        self.num_running: Final = num_running
+        self.num_waiting: Final = num_waiting
+        self.kv_usage: Final = kv_usage
+        self.prefix_hit_rate: Final = prefix_hit_rate
+        self.num_preemptions: Final = num_preemptions
+        self.pcie_util: Final = pcie_util
+        self.prefix_queries_tokens: Final = prefix_queries_tokens
+        self.prefix_hits_tokens: Final = prefix_hits_tokens
 
 
 def _split_sample(line: str) -> tuple[str, float] | None:

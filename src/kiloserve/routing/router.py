@@ -143,6 +143,10 @@ class Router:
         if kept and self.decision_listeners:
             for listener in self.decision_listeners:
                 listener(info, decision, kept)
+        if type(decision) is Decision:  # the constructor: ``replaced`` is generic, slow
+            return Decision(
+                kept, decision.policy, decision.reason, decision.scores, decision.cached_blocks
+            )
         return decision.replaced(ranked=kept)
 
     def _of_role(

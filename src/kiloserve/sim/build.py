@@ -78,6 +78,7 @@ COMPILED_MODULES = (
     "kiloserve.policies.base",
     "kiloserve.policies.accounting",
     "kiloserve.routing.table",
+    "kiloserve.routing.engine_metrics",
     "kiloserve.routing.router",
     "kiloserve.sim.cluster",
     "kiloserve.sim.run",

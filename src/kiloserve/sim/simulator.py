@@ -10,12 +10,12 @@ workload one at a time, so memory does not grow with the number of requests.
 from __future__ import annotations
 
 import gc
-import heapq
 import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from heapq import heappop, heappush
 
 from kiloserve.engine.core import StepResult
 from kiloserve.errors import ConfigError, RequestError, some_of
@@ -103,7 +103,12 @@ class Simulator:
         self.now_s = 0.0
         self.cpu_s = 0.0  # the process's CPU seconds spent in the last run()
         self._specs = specs
-        self._heap: list[tuple[float, int, Event]] = []
+        # Events by time: a heap of the distinct times, and per time its events with their
+        # push serials in push order. Heap sifts compare floats only (a heap of (time,
+        # serial, event) tuples compared tuples: two float comparisons each, and the
+        # 1,000-deep heap of a 1,024-GPU run made that most of a pop's cost).
+        self._times: list[float] = []
+        self._at: dict[float, list[tuple[int, Event]]] = {}
         # Events due exactly one network delay from now (token deliveries, completions,
         # failed attempts) are pushed in time order, so a FIFO holds them sorted; the
         # loop takes the smaller head of the two, the order one heap would give.
@@ -127,22 +132,46 @@ class Simulator:
         time_s = event.time_s
         if time_s == self.now_s + self.delay_s:  # >= the FIFO's last: now never goes back
             self._delayed.append((time_s, self._num_pushed, event))
+            return
+        queued = self._at.get(time_s)
+        if queued is None:
+            self._at[time_s] = [(self._num_pushed, event)]
+            heappush(self._times, time_s)
         else:
-            heapq.heappush(self._heap, (time_s, self._num_pushed, event))
+            queued.append((self._num_pushed, event))
 
     def pop(self) -> Event | None:
         """The next event (earliest; ties in push order), with ``now_s`` moved to its
         time; None when nothing is left."""
-        heap, delayed = self._heap, self._delayed
-        # (time, push serial) heads: serials are unique, so events are never compared
-        if delayed and (not heap or delayed[0] < heap[0]):
+        times, delayed = self._times, self._delayed
+        if times:
+            time_s = times[0]
+            queued = self._at[time_s]
+            # (time, push serial) heads: serials are unique, so events are never compared
+            if delayed:
+                head = delayed[0]
+                head_s = head[0]
+                if head_s < time_s or (head_s == time_s and head[1] < queued[0][0]):
+                    delayed.popleft()
+                    self.now_s = head_s
+                    return head[2]
+            if len(queued) == 1:
+                heappop(times)
+                del self._at[time_s]
+                event = queued[0][1]
+            else:
+                event = queued.pop(0)[1]
+        elif delayed:
             time_s, _, event = delayed.popleft()
-        elif heap:
-            time_s, _, event = heapq.heappop(heap)
         else:
             return None
         self.now_s = time_s
         return event
+
+    @property
+    def num_queued(self) -> int:
+        """Events waiting (both queues)."""
+        return len(self._delayed) + sum(len(q) for q in self._at.values())
 
     def run(self) -> float:
         """Run to the end; returns the wall seconds it took.
@@ -167,10 +196,12 @@ class Simulator:
         for fault in self._faults:
             self.push(Fault(fault))
         self._push_next_arrival()
-        counts, push, pop = self._counts, self.push, self.pop
-        while (event := pop()) is not None:
+        counts = self._counts
+        # self.pop / self.push, not bound methods in locals: compiled, those would be
+        # generic Python calls (docs/simulator.md, "Compiled build")
+        while (event := self.pop()) is not None:
             for follow in event.handle(self):
-                push(follow)
+                self.push(follow)
             counts.num_events += 1
             if self.progress is not None and counts.num_events % PROGRESS_EVERY_EVENTS == 0:
                 self.progress(counts.num_done)
@@ -368,9 +399,7 @@ class Simulator:
         if end_s is None:
             return []
         if backend.last_step_start_s != math.inf:  # a fused run: a scrape may cut into it
-            heapq.heappush(
-                self._due_runs, (backend.last_step_start_s, backend.index, backend.run_serial)
-            )
+            heappush(self._due_runs, (backend.last_step_start_s, backend.index, backend.run_serial))
         return [StepDone(end_s, backend.index, backend.generation)]
 
     def on_step_done(self, index: int, generation: int, now_s: float) -> list[Event]:
@@ -426,7 +455,7 @@ class Simulator:
         # state at the run's start (KV usage lags by the blocks the run has grown since).
         indices: list[int] = []
         while due and due[0][0] <= now_s:
-            _, index, serial = heapq.heappop(due)
+            _, index, serial = heappop(due)
             backend = backends[index]
             if backend.run_serial == serial and now_s >= backend.last_step_start_s:
                 indices.append(index)

@@ -7,8 +7,8 @@ Python; results are the same either way.
 
 from __future__ import annotations
 
-import bisect
 import math
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -59,6 +59,19 @@ def _trim(window: deque[tuple[float, float]], oldest_s: float) -> bool:
     while window and window[0][0] < oldest_s:
         window.popleft()
     return True
+
+
+class _Limits:
+    """The config's thresholds as plain attributes, read once per ``evaluate``: the
+    config is a pydantic model, whose every attribute read is a generic lookup."""
+
+    def __init__(self, cfg: DemotionConfig) -> None:
+        self.max_tpot_ms: float | None = cfg.max_tpot_ms
+        self.max_ttft_ms: float | None = cfg.max_ttft_ms
+        self.pool_factor: float | None = cfg.pool_factor
+        self.min_excess_tpot_ms: float = cfg.min_excess_tpot_ms
+        self.recover_ratio: float = cfg.recover_ratio
+        self.pool_quantile: float = cfg.pool_quantile
 
 
 def _median(window: deque[tuple[float, float]], min_num: int) -> float | None:
@@ -154,11 +167,10 @@ class SlowNodeDemoter:
         return node.ttft_median
 
     def _slow_reason(
-        self, backend_id: str, node: _Node, others: float | None, scale: float
+        self, backend_id: str, node: _Node, others: float | None, scale: float, cfg: _Limits
     ) -> DemotionEvent | None:
         """Why the backend is slow (thresholds x ``scale``; ``others``: the yardstick
         of its pool, the others' TPOT quantile), or None."""
-        cfg = self.cfg
         tpot = node.tpot_median
         if tpot is not None:
             if cfg.max_tpot_ms is not None and tpot > cfg.max_tpot_ms * scale:
@@ -189,32 +201,34 @@ class SlowNodeDemoter:
         if not self.cfg.enabled:
             return events
         tpot_medians = self._refresh(now_s)
-        quantile = self.cfg.pool_quantile
+        limits = _Limits(self.cfg)
+        quantile, pool_factor = limits.pool_quantile, limits.pool_factor
+        has_ttft = limits.max_ttft_ms is not None
         ranked_by_pool: dict[frozenset[str], list[float]] = {}  # sorted medians per pool
         for backend_id, node in self._nodes.items():
-            if not node.is_demoted and node.tpot_median is None and self.cfg.max_ttft_ms is None:
+            if not node.is_demoted and node.tpot_median is None and not has_ttft:
                 continue  # too few samples to judge it by
             given = pools.get(backend_id)  # (a frozenset is used as it is, not copied:
             # compiled, frozenset() of one copies it, then hashes and compares the copy)
             pool = given if isinstance(given, frozenset) else frozenset(given or ())
             others = None  # the yardstick, needed only when the backend has a TPOT median
-            if node.tpot_median is not None and self.cfg.pool_factor:
+            if node.tpot_median is not None and pool_factor:
                 ranked = ranked_by_pool.get(pool)
                 if ranked is None:
                     medians = [tpot_medians.get(b) for b in pool]
                     ranked = ranked_by_pool[pool] = sorted([m for m in medians if m is not None])
                 own = node.tpot_median if backend_id in pool else None
-                skip = -1 if own is None else bisect.bisect_left(ranked, own)
+                skip = -1 if own is None else bisect_left(ranked, own)
                 if len(ranked) > (skip >= 0):
                     others = _quantile(ranked, quantile, skip)
             if not node.is_demoted or node.recovering_since_s is not None:
-                slow = self._slow_reason(backend_id, node, others, 1.0)
+                slow = self._slow_reason(backend_id, node, others, 1.0, limits)
                 if slow is not None and (node.is_demoted or self._may_demote(backend_id, pool)):
                     node.is_demoted, node.recovering_since_s, node.reason = True, None, slow.reason
                     node.num_demotions_total += 1
                     self._demoted.add(backend_id)
                     events.append(slow)
-            elif self._slow_reason(backend_id, node, others, self.cfg.recover_ratio) is None:
+            elif self._slow_reason(backend_id, node, others, limits.recover_ratio, limits) is None:
                 node.recovering_since_s = now_s  # hysteresis: clearly fast again
                 events.append(DemotionEvent(backend_id, ""))
         return events
