@@ -103,12 +103,13 @@ class Simulator:
         self.now_s = 0.0
         self.cpu_s = 0.0  # the process's CPU seconds spent in the last run()
         self._specs = specs
-        # Events by time: a heap of the distinct times, and per time its events with their
-        # push serials in push order. Heap sifts compare floats only (a heap of (time,
-        # serial, event) tuples compared tuples: two float comparisons each, and the
-        # 1,000-deep heap of a 1,024-GPU run made that most of a pop's cost).
+        # Events by time: a heap of the distinct times; per time, its first event with its
+        # push serial, and any later ones at the same time in push order. Heap sifts
+        # compare floats only (a heap of (time, serial, event) tuples compared tuples:
+        # two float comparisons each, most of a pop's cost in a 1,000-deep heap).
         self._times: list[float] = []
-        self._at: dict[float, list[tuple[int, Event]]] = {}
+        self._first: dict[float, tuple[int, Event]] = {}
+        self._more: dict[float, deque[tuple[int, Event]]] = {}  # ties (rare)
         # Events due exactly one network delay from now (token deliveries, completions,
         # failed attempts) are pushed in time order, so a FIFO holds them sorted; the
         # loop takes the smaller head of the two, the order one heap would give.
@@ -133,12 +134,14 @@ class Simulator:
         if time_s == self.now_s + self.delay_s:  # >= the FIFO's last: now never goes back
             self._delayed.append((time_s, self._num_pushed, event))
             return
-        queued = self._at.get(time_s)
-        if queued is None:
-            self._at[time_s] = [(self._num_pushed, event)]
-            heappush(self._times, time_s)
-        else:
+        if time_s in self._first:
+            queued = self._more.get(time_s)
+            if queued is None:
+                queued = self._more[time_s] = deque()
             queued.append((self._num_pushed, event))
+        else:
+            self._first[time_s] = (self._num_pushed, event)
+            heappush(self._times, time_s)
 
     def pop(self) -> Event | None:
         """The next event (earliest; ties in push order), with ``now_s`` moved to its
@@ -146,21 +149,24 @@ class Simulator:
         times, delayed = self._times, self._delayed
         if times:
             time_s = times[0]
-            queued = self._at[time_s]
+            serial, event = self._first[time_s]
             # (time, push serial) heads: serials are unique, so events are never compared
             if delayed:
                 head = delayed[0]
                 head_s = head[0]
-                if head_s < time_s or (head_s == time_s and head[1] < queued[0][0]):
+                if head_s < time_s or (head_s == time_s and head[1] < serial):
                     delayed.popleft()
                     self.now_s = head_s
                     return head[2]
-            if len(queued) == 1:
+            more = self._more
+            queued = more.get(time_s) if more else None
+            if queued is None:
                 heappop(times)
-                del self._at[time_s]
-                event = queued[0][1]
-            else:
-                event = queued.pop(0)[1]
+                del self._first[time_s]
+            else:  # the next event at this time moves up
+                self._first[time_s] = queued.popleft()
+                if not queued:
+                    del more[time_s]
         elif delayed:
             time_s, _, event = delayed.popleft()
         else:
@@ -171,7 +177,8 @@ class Simulator:
     @property
     def num_queued(self) -> int:
         """Events waiting (both queues)."""
-        return len(self._delayed) + sum(len(q) for q in self._at.values())
+        ties = sum(len(q) for q in self._more.values())
+        return len(self._delayed) + len(self._first) + ties
 
     def run(self) -> float:
         """Run to the end; returns the wall seconds it took.

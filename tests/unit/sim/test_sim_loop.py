@@ -89,7 +89,7 @@ def test_event_queue_pops_in_time_order_and_ties_in_scheduling_order(delay_s: fl
               "tie-child"],
     }[delay_s]  # fmt: skip
     assert [t for t, _ in log] == sorted(t for t, _ in log)
-    assert sim.num_queued == 0 and sim._times == [] and sim._at == {}
+    assert sim.num_queued == 0 and sim._times == [] and sim._first == sim._more == {}
 
 
 @pytest.mark.parametrize("policy", ["round_robin", "random", "default", "power_of_two"])
