@@ -83,6 +83,8 @@ class EngineMetrics(Value):
         "prefix_hits_tokens",
     )
     __slots__ = _FIELDS
+    #: the numeric fields (all but ``engine``), in order (``routing.shared_load`` packs them)
+    NUMBERS: ClassVar[tuple[str, ...]] = _FIELDS[1:]
 
     def __init__(
         self,

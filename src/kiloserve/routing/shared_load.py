@@ -90,16 +90,7 @@ _ENTRY = 3  # slot, field, delta
 _DRAIN_SET, _DRAIN_CLEAR = 1, 2
 # a scrape record: seq, outcome, time (f64), 8 EngineMetrics numbers (f64, NaN = None),
 # engine name (16 bytes), failure reason (32 bytes)
-_NUMS = (
-    "num_running",
-    "num_waiting",
-    "kv_usage",
-    "prefix_hit_rate",
-    "num_preemptions",
-    "pcie_util",
-    "prefix_queries_tokens",
-    "prefix_hits_tokens",
-)
+_NUMS = EngineMetrics.NUMBERS
 _SCRAPE_WORDS = 3 + len(_NUMS) + 2 + 4
 SCRAPE_OK, SCRAPE_UNAVAILABLE, SCRAPE_FAILED = 1, 2, 3
 _CREATED: set[str] = set()  # segments this process created (and its tracker unlinks)
