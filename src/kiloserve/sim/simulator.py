@@ -1,5 +1,6 @@
-"""The discrete-event loop: a heap of events, each returning its follow-ups (vidur's
-skeleton), plus the handlers that move requests between gateway and backends.
+"""The discrete-event loop: a time-ordered queue of events (a heap of their times), each
+returning its follow-ups (vidur's skeleton), plus the handlers that move requests
+between gateway and backends.
 
 Deterministic: no wall clock and no hash-order dependence enters the simulated
 outcome; ties in time keep scheduling order (the simulator's own counter); the policy
