@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import gc
+import heapq
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -90,6 +92,43 @@ def test_event_queue_pops_in_time_order_and_ties_in_scheduling_order(delay_s: fl
     }[delay_s]  # fmt: skip
     assert [t for t, _ in log] == sorted(t for t, _ in log)
     assert sim.num_queued == 0 and sim._times == [] and sim._first == sim._more == {}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_event_queue_matches_one_heap_on_random_schedules(seed: int) -> None:
+    """Random schedules against the reference, one heap ordered by (time, push serial):
+    times on a coarse grid (many ties), children at ``now + delay`` (the FIFO) and at
+    times already queued, so some reach the heap after a FIFO event of the same time."""
+    delay_s = 0.25
+    sim = _bare_simulator(delay_s)
+    rng = random.Random(seed)
+    serial = 0
+    reference: list[tuple[float, int]] = []
+    name_of: dict[int, int] = {}  # id(event) -> its push serial
+
+    def push(time_s: float) -> None:
+        nonlocal serial
+        serial += 1
+        event = Event(time_s)
+        name_of[id(event)] = serial
+        sim.push(event)
+        heapq.heappush(reference, (time_s, serial))
+
+    for _ in range(30):
+        push(rng.randrange(0, 32) * 0.0625)  # a binary grid: sums stay exact
+    popped: list[int] = []
+    while (event := sim.pop()) is not None:
+        expected = heapq.heappop(reference)
+        popped.append(name_of[id(event)])
+        assert (sim.now_s, popped[-1]) == expected
+        if len(popped) < 400:
+            for _ in range(rng.randrange(0, 3)):
+                later = [t for t, _ in reference if t > sim.now_s]
+                if later and rng.random() < 0.4:  # a time already queued (maybe in the FIFO)
+                    push(rng.choice(later))
+                else:
+                    push(sim.now_s + rng.choice((delay_s, delay_s, 0.0625, 0.125, 0.5)))
+    assert reference == [] and sim.num_queued == 0
 
 
 @pytest.mark.parametrize("policy", ["round_robin", "random", "default", "power_of_two"])
