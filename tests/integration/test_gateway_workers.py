@@ -21,6 +21,7 @@ import aiohttp
 import pytest
 from test_gateway_fakes import FakeBackend, fake_backends, gateway_process
 
+from kiloserve.cpus import usable_cpus
 from kiloserve.routing.engine_metrics import parse_samples
 
 pytestmark = pytest.mark.slow
@@ -264,3 +265,24 @@ async def test_the_engines_are_scraped_once_not_per_worker() -> None:
             assert status == 200 and isinstance(body, dict)
             row = body["backends"][0]
             assert not row["scrape_stale"] and row["kv_usage"] is not None, row
+
+
+async def test_workers_auto_starts_one_per_usable_cpu() -> None:
+    """``--workers auto``: as many workers as CPUs this process (and so its child) may
+    use (``kiloserve.cpus.usable_cpus``: the affinity capped by the cgroup's quota)."""
+    expected = usable_cpus()
+    fake = FakeBackend()
+    async with (
+        fake_backends(fake),
+        gateway_process("--backend", fake.url, "--workers", "auto") as (line, proc),
+    ):
+        if expected == 1:  # one process, no supervisor
+            assert "workers)" not in line, line
+            return
+        assert line.endswith(f"({expected} workers)\n"), line
+        url = line.split(" listening on ", 1)[1].split()[0]
+
+        async def all_up() -> bool:
+            return len(_children(proc.pid)) == expected and (await _get(url + "/ready"))[0] == 200
+
+        await _until(all_up)

@@ -27,6 +27,7 @@ from kiloserve.gateway.config import (
     PolicyConfig,
     load_gateway_config,
     parse_gateway_config,
+    resolve_workers,
 )
 from kiloserve.gateway.loop import LoopError, loop_factory
 from kiloserve.gateway.reload import RELOAD_KEY, install_signal
@@ -57,10 +58,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--workers",
-        type=int,
+        type=_workers,
         help="processes serving the port with SO_REUSEPORT and one shared in-flight "
-        "view (default 1; docs/gateway.md, 'Workers')",
+        "view, or 'auto': one per usable CPU (the cores this process may run on, capped "
+        "by its container's CPU limit) (default 1; docs/gateway.md, 'Workers')",
     )
+
+
+def _workers(text: str) -> int | str:
+    """``--workers``: a whole number, or ``auto`` (argparse names the flag otherwise)."""
+    if text == "auto":
+        return text
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be a whole number or 'auto', got {text!r}")
+    return int(text)
 
 
 def build_config(args: argparse.Namespace) -> GatewayConfig:
@@ -79,7 +90,7 @@ def build_config(args: argparse.Namespace) -> GatewayConfig:
     if getattr(args, "loop", None):
         updates["event_loop"] = args.loop
     if getattr(args, "workers", None) is not None:
-        updates["workers"] = args.workers
+        updates["workers"] = resolve_workers(args.workers)
     merged = cfg.model_copy(update=updates)
     # validate the merged result (duplicate backends, port range)
     return parse_gateway_config(merged.model_dump(), source="gateway flags")

@@ -20,6 +20,7 @@ from pydantic import (
     model_validator,
 )
 
+from kiloserve.cpus import usable_cpus
 from kiloserve.errors import ConfigError
 from kiloserve.gateway.admission.auth import AuthConfig
 from kiloserve.gateway.admission.queue import AdmissionConfig
@@ -48,6 +49,7 @@ __all__ = [
     "PolicyConfig",
     "load_gateway_config",
     "parse_gateway_config",
+    "resolve_workers",
 ]
 
 ADMIN_TOKEN_ENV = "KILOSERVE_ADMIN_TOKEN"
@@ -82,6 +84,12 @@ class ModelConfig(_Strict):
         if self.chat_template is not None and self.tokenizer is None:
             raise ValueError("chat_template needs tokenizer (the template's text is encoded)")
         return self
+
+
+def resolve_workers(value: object) -> object:
+    """``workers: auto`` -> one per usable CPU (``kiloserve.cpus.usable_cpus``, at most
+    256); anything else as it is (validated as a number by the model)."""
+    return min(256, usable_cpus()) if value == "auto" else value
 
 
 class GatewayConfig(_Strict):
@@ -155,8 +163,14 @@ class GatewayConfig(_Strict):
     # the event loop: uvloop when installed (auto), or the standard library's (asyncio)
     event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
     # processes serving the port (SO_REUSEPORT) with one shared in-flight view
-    # (gateway/workers.py, docs/gateway.md "Workers")
+    # (gateway/workers.py, docs/gateway.md "Workers"); "auto": one per usable CPU
+    # (the cores this process may run on, capped by its container's CPU limit)
     workers: int = Field(default=1, ge=1, le=256)
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _auto_workers(cls, value: object) -> object:
+        return resolve_workers(value)
 
     @field_validator("admin_allowed_hosts")
     @classmethod

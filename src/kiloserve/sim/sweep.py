@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
-import os
 import pickle
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -35,6 +34,7 @@ from typing import Any, TypeVar
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from kiloserve.cpus import usable_cpus
 from kiloserve.errors import ConfigError
 
 __all__ = [
@@ -76,11 +76,9 @@ def _num_jobs(text: str) -> int:
 
 
 def default_jobs() -> int:
-    """The cores this process may run on (``os.process_cpu_count()`` of 3.13)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not on Linux
-        return max(1, os.cpu_count() or 1)
+    """The cores this process may run on, capped by its container's CPU limit
+    (``kiloserve.cpus.usable_cpus``)."""
+    return usable_cpus()
 
 
 def run_all(
