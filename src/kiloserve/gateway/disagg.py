@@ -300,7 +300,7 @@ async def _whole(
     ordered = tuple(dict.fromkeys(ranked)) or decision.ranked
     if not ordered:
         ordered = plan.decode
-    ordered_decision = decision.replaced(ranked=ordered)
+    ordered_decision = decision.with_ranked(ordered)
     return await forward(ctx, request, path, body, raw, info, ordered_decision, deadline=deadline)
 
 

@@ -143,11 +143,7 @@ class Router:
         if kept and self.decision_listeners:
             for listener in self.decision_listeners:
                 listener(info, decision, kept)
-        if type(decision) is Decision:  # the constructor: ``replaced`` is generic, slow
-            return Decision(
-                kept, decision.policy, decision.reason, decision.scores, decision.cached_blocks
-            )
-        return decision.replaced(ranked=kept)
+        return decision.with_ranked(kept)
 
     def _of_role(
         self, model: str, role: Role, eligible_by_model: dict[str, tuple[BackendState, ...]] | None

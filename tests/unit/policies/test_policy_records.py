@@ -72,3 +72,10 @@ def test_request_spec_is_a_value_and_replaced_copies() -> None:
     with pytest.raises(TypeError, match="no field"):
         spec.replaced(outputs=3)
     assert pickle.loads(pickle.dumps(spec)) == spec
+
+
+def test_decision_with_ranked_is_replaced_ranked() -> None:
+    decision = Decision(("a", "b", "c"), "p", "why", {"a": 1.0}, {"a": 3})
+    narrowed = decision.with_ranked(("b",))
+    assert narrowed == decision.replaced(ranked=("b",))
+    assert (narrowed.scores, narrowed.cached_blocks) == ({"a": 1.0}, {"a": 3})

@@ -167,25 +167,25 @@ class SlowNodeDemoter:
         return node.ttft_median
 
     def _slow_reason(
-        self, backend_id: str, node: _Node, others: float | None, scale: float, cfg: _Limits
+        self, backend_id: str, node: _Node, others: float | None, scale: float, limits: _Limits
     ) -> DemotionEvent | None:
         """Why the backend is slow (thresholds x ``scale``; ``others``: the yardstick
         of its pool, the others' TPOT quantile), or None."""
         tpot = node.tpot_median
         if tpot is not None:
-            if cfg.max_tpot_ms is not None and tpot > cfg.max_tpot_ms * scale:
-                return DemotionEvent(backend_id, "tpot_abs", tpot, cfg.max_tpot_ms * scale)
-            factor = cfg.pool_factor
+            if limits.max_tpot_ms is not None and tpot > limits.max_tpot_ms * scale:
+                return DemotionEvent(backend_id, "tpot_abs", tpot, limits.max_tpot_ms * scale)
+            factor = limits.pool_factor
             if factor and others is not None:
                 # slow for its pool: over pool_factor x the others' TPOT and at least
                 # min_excess_tpot_ms over it
-                bound = max(factor * others, others + cfg.min_excess_tpot_ms)
+                bound = max(factor * others, others + limits.min_excess_tpot_ms)
                 if tpot > bound * scale:
                     return DemotionEvent(backend_id, "tpot_pool", tpot, bound * scale)
-        if cfg.max_ttft_ms is not None:
+        if limits.max_ttft_ms is not None:
             ttft = self._ttft_median(node)
-            if ttft is not None and ttft > cfg.max_ttft_ms * scale:
-                return DemotionEvent(backend_id, "ttft_abs", ttft, cfg.max_ttft_ms * scale)
+            if ttft is not None and ttft > limits.max_ttft_ms * scale:
+                return DemotionEvent(backend_id, "ttft_abs", ttft, limits.max_ttft_ms * scale)
         return None
 
     def _may_demote(self, backend_id: str, pool: frozenset[str]) -> bool:
