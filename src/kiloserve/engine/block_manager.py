@@ -420,8 +420,11 @@ class BlockManager:
         it stays O(free blocks) however many hits take blocks back."""
         if len(self._lru) <= 2 * (self._num_free_cached + len(self._segments)) + self.lru_slack:
             return
-        self._lru = deque(self._live_entries())
-        self._stale = [0] * len(self._stale)  # no dead entry is left
+        live, stale = self._live_entries(), self._stale
+        for key in self._lru:  # a block with dead entries has them here: none is left
+            if key >= 0:
+                stale[key] = 0
+        self._lru = deque(live)
 
     def _free_private(self, seq: Sequence, begin: int) -> None:
         """Free ``seq``'s private blocks (table from ``begin``), tail first: unregistered
