@@ -27,6 +27,8 @@ import json
 import shutil
 import struct
 import subprocess
+import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -96,9 +98,12 @@ def _complete(url: str, body: dict[str, Any], request_id: str) -> dict[str, Any]
         data=json.dumps(body).encode(),
         headers={"content-type": "application/json", "X-Request-Id": request_id},
     )
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        out: dict[str, Any] = json.load(resp)
-        out["_backend"] = resp.headers.get(BACKEND_HEADER)
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            out: dict[str, Any] = json.load(resp)
+            out["_backend"] = resp.headers.get(BACKEND_HEADER)
+    except urllib.error.HTTPError as exc:  # say what the engine answered
+        raise AssertionError(f"{url}: HTTP {exc.code}: {exc.read()[:2000]!r}") from exc
     return out
 
 
@@ -320,6 +325,7 @@ def nixl_pair(real_env: RealEnv, tmp_path_factory: pytest.TempPathFactory) -> It
         gateway_url = cluster.gateway_url
         assert gateway_url is not None
         _wait_both_routable(gateway_url)
+        _first_handshake(urls["nixl-prefill"], urls["nixl-decode"], cluster.log_path("nixl-decode"))
         yield PdPair(
             urls["nixl-prefill"],
             urls["nixl-decode"],
@@ -339,6 +345,40 @@ def _wait_both_routable(gateway_url: str) -> None:
         "the gateway to see both backends healthy",
         poll_s=0.2,
     )
+
+
+HANDSHAKE_ATTEMPTS = 3
+
+
+def _first_handshake(prefill_url: str, decode_url: str, decode_log: Path) -> None:
+    """One split request, so that the decode vLLM holds the NIXL handshake with the
+    prefill vLLM before the tests count anything.
+
+    The decode vLLM makes the handshake when the first decode leg names the prefill
+    engine, and gives up after 5 s without a reply (vLLM 0.32: ``RCVTIMEO`` on the
+    side channel); with ``kv_load_failure_policy: fail`` (its default) that request
+    then ends in a 500. On a starved CI box the prefill vLLM's side-channel thread
+    missed those 5 s once (CI, stop 27). A failed handshake is retried by the next
+    request that names the engine, and a made one is kept (``engine_ttl``, 1 h), so
+    up to HANDSHAKE_ATTEMPTS requests are tried here; one must complete, else the
+    fixture fails with the decode vLLM's log tail."""
+    answers = []
+    for attempt in range(HANDSHAKE_ATTEMPTS):
+        body = _request(seed=30 + 100 * attempt) | {"max_tokens": 2}
+        prefill = _complete(
+            prefill_url,
+            body | {"max_tokens": 1, "kv_transfer_params": REMOTE_DECODE},
+            f"handshake-{attempt}",
+        )
+        follow = body | {"kv_transfer_params": prefill["kv_transfer_params"]}
+        try:
+            _complete(decode_url, follow, f"handshake-{attempt}")
+            return
+        except AssertionError as exc:
+            answers.append(str(exc))
+            time.sleep(1.0)
+    tail = decode_log.read_text(errors="replace").splitlines()[-40:]
+    raise AssertionError(f"no split request completed: {answers}\n" + "\n".join(tail))
 
 
 def _nixl_bytes(loaded_tokens: int, block_size: int) -> int:
