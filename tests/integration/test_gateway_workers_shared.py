@@ -6,7 +6,8 @@ worker also serves the gateway there: gateway/worker_metrics.py). Worker A eject
 failing backend after its own failed requests; worker B, which never sent it one,
 holds it out too (``routing.shared_verdicts``). Before the sharing, B kept sending it
 requests until it had met the same failures itself. Likewise a prefix A placed on a
-backend is found there by B (``routing.shared_prefixes``).
+backend is found there by B (``routing.shared_prefixes``), and the speeds A learned
+from its requests are B's too (``SharedLoad.publish_sample``).
 """
 
 from __future__ import annotations
@@ -172,6 +173,41 @@ async def test_a_prefix_one_worker_placed_is_followed_by_every_worker() -> None:
             for tail in range(5):
                 got, cached = await _complete(b, f"{prompt} tail {tail}")
                 assert (got, cached) == (backend, 2000 // 16 * 16)
+
+
+async def _stream(url: str) -> None:
+    connector = aiohttp.TCPConnector(force_close=True)
+    body = {"model": "m", "prompt": "x", "max_tokens": 3, "stream": True}
+    async with (
+        aiohttp.ClientSession(connector=connector) as s,
+        s.post(url + "/v1/completions", json=body) as r,
+    ):
+        await r.read()
+        assert r.status == 200
+
+
+async def _speeds(url: str) -> dict[str, tuple[float | None, float | None]]:
+    status, body = await _get(url + "/admin/backends")
+    assert status == 200 and isinstance(body, dict)
+    return {r["name"]: (r["ewma_ttft_ms"], r["ewma_tpot_ms"]) for r in body["backends"]}
+
+
+async def test_the_speeds_one_worker_learns_are_every_workers() -> None:
+    """Streamed requests through worker A only: worker B's learned TTFT and TPOT of the
+    backend equal A's (before the sharing: B had learned nothing, None)."""
+    fake = FakeBackend(chunk_delay_s=0.01)
+    async with fake_backends(fake), _workers("--backend", fake.url) as (url, proc):
+        a, b = await _private_urls(url, proc.pid)
+        for _ in range(5):
+            await _stream(a)
+        learned = await _speeds(a)
+        ((ttft_ms, tpot_ms),) = learned.values()
+        assert ttft_ms is not None and tpot_ms is not None and tpot_ms > 5.0
+
+        async def b_learned_it() -> bool:
+            return await _speeds(b) == learned
+
+        await _until(b_learned_it, timeout_s=5.0)
 
 
 async def _arrived(fake: FakeBackend, n: int) -> bool:

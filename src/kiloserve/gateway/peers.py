@@ -16,6 +16,13 @@ one Redis pub/sub channel, and adds every peer's latest totals to its table:
   gateway falls back to its own view) and ``kiloserve_gateway_peers_connected`` reads
   0 until it reconnects; the peers' next snapshots restore the shared view.
 
+Learned speeds too: each message also carries the samples this gateway's EWMAs learned
+from since its last message (``"s"``: ``[backend, kind, value]``, at most
+``MAX_SAMPLES_PER_MESSAGE``; ``policies.accounting.SAMPLE_KINDS``), and every peer feeds
+them to its own EWMAs, so two gateways that each see half the traffic learn the
+backends' speeds from all of it. A lost message loses its samples (an EWMA needs no
+exact count); a gateway cut off from Redis learns from its own requests only.
+
 The workers of one gateway (``--workers N``) share through memory
 (``routing.shared_load``): each worker is a Redis peer of its own for the other
 gateways, and ignores the messages of its sibling workers (same ``instance``).
@@ -29,6 +36,7 @@ import asyncio
 import contextlib
 import importlib
 import logging
+import math
 import os
 import time
 import uuid
@@ -41,6 +49,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from kiloserve.gateway.peer_settings import PeerConfig
+from kiloserve.policies.accounting import SAMPLE_KINDS, note_sample
 from kiloserve.routing.shared_load import FIELDS
 from kiloserve.routing.table import BackendTable
 
@@ -54,6 +63,8 @@ logger = logging.getLogger(__name__)
 
 _NF = len(FIELDS)
 _ZERO = (0,) * _NF
+# samples kept for the next message; more (Redis slow or down) drop the oldest
+MAX_SAMPLES_PER_MESSAGE = 4096
 
 
 class _Peer:
@@ -71,6 +82,24 @@ def _apply(state: BackendState | None, diff: tuple[int, ...], sign: int = 1) -> 
         d = diff[f]
         if d:
             setattr(state, attr, getattr(state, attr) + sign * d)
+
+
+def _learn(samples: Any, state_of: Callable[[str], BackendState | None]) -> None:
+    """Feed a peer's samples (``[[backend, kind, value], ...]``) to the EWMAs; malformed
+    entries are skipped."""
+    if not isinstance(samples, list):
+        return
+    for entry in samples:
+        if not (isinstance(entry, list) and len(entry) == 3):
+            continue
+        bid, kind, value = entry
+        if not isinstance(bid, str) or not isinstance(kind, int) or isinstance(kind, bool):
+            continue
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            continue
+        state = state_of(bid)
+        if state is not None and 0 <= kind < len(SAMPLE_KINDS) and math.isfinite(value):
+            note_sample(state, kind, float(value))
 
 
 class PeerLoad:
@@ -93,6 +122,7 @@ class PeerLoad:
         self._clock = clock
         self._own: dict[str, list[int]] = {}
         self._dirty: set[str] = set()
+        self._samples: list[tuple[str, int, float]] = []
         self._peers: dict[str, _Peer] = {}
         self._inbox: list[dict[str, Any]] = []
         self._forget_all = False
@@ -124,6 +154,14 @@ class PeerLoad:
         for f in range(_NF):
             own[f] += deltas[f]
         self._dirty.add(backend_id)
+
+    def publish_sample(self, backend_id: str, kind: int, value: float) -> None:
+        if self.inner is not None:
+            self.inner.publish_sample(backend_id, kind, value)
+        samples = self._samples
+        if len(samples) >= MAX_SAMPLES_PER_MESSAGE:
+            del samples[: len(samples) - MAX_SAMPLES_PER_MESSAGE + 1]
+        samples.append((backend_id, kind, value))
 
     def pull(self, state_of: Callable[[str], BackendState | None]) -> None:
         if self.inner is not None:
@@ -189,6 +227,7 @@ class PeerLoad:
             peer = self._peers[pid] = _Peer(self._clock())
             logger.info("peer gateway %s joined", pid)
         peer.last_seen_s = self._clock()
+        _learn(msg.get("s"), state_of)
         backends = msg.get("b") or {}
         for bid, raw in backends.items():
             new = tuple(int(v) for v in raw[:_NF])
@@ -218,7 +257,7 @@ class PeerLoad:
     def _message(self, *, full: bool) -> bytes | None:
         if full:
             names = list(self._own)
-        elif self._dirty:
+        elif self._dirty or self._samples:
             names = list(self._dirty)
         else:
             return None
@@ -227,7 +266,10 @@ class PeerLoad:
         # totals that reached zero are dropped from the next snapshots
         for bid in [b for b in names if not any(self._own.get(b, _ZERO))]:
             self._own.pop(bid, None)
-        return orjson.dumps({"id": self.peer_id, "inst": self.instance, "full": full, "b": body})
+        msg: dict[str, Any] = {"id": self.peer_id, "inst": self.instance, "full": full, "b": body}
+        if self._samples:
+            msg["s"], self._samples = self._samples, []
+        return orjson.dumps(msg)
 
     async def start(self) -> None:
         redis_asyncio = importlib.import_module("redis.asyncio")

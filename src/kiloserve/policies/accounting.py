@@ -13,6 +13,11 @@ router estimates its TTFT with ``estimated_ttft_ms`` (E2E minus the decode of th
 tokens after the first at the backend's EWMA TPOT) and notes it as a first token at
 completion, so non-streamed traffic teaches the prefill speed too.
 
+Learned speeds are EWMAs of samples taken at those moments (``note_dispatch``
+returns its prefill-work sample); routers that share one view of the backends (the
+gateway's workers, peered gateways) hand each other their samples and feed them in with
+``note_sample``, so every router learns from all of the traffic (``SAMPLE_KINDS``).
+
 Learned prefill speed: ``ewma_ttft_ms / ewma_prefill_work_tokens`` is the backend's
 observed milliseconds of TTFT per token of prefill work queued at dispatch (a ratio of
 EWMAs over the same requests). It captures GPU speed and engine overheads without
@@ -33,16 +38,27 @@ from kiloserve.policies.base import BackendState, Outcome, RequestInfo
 __all__ = [
     "EWMA_ALPHA",
     "MIN_TTFT_SAMPLES",
+    "SAMPLE_KINDS",
+    "SAMPLE_PREFILL_WORK",
+    "SAMPLE_TPOT",
+    "SAMPLE_TTFT",
     "estimated_ttft_ms",
     "ewma",
     "note_complete",
     "note_dispatch",
     "note_first_token",
+    "note_sample",
     "prefill_ms_per_token",
 ]
 
 EWMA_ALPHA = 0.2
 MIN_TTFT_SAMPLES = 3  # first tokens before a backend's learned prefill speed is used
+# the learned samples, by kind (the codes routers exchange): the prefill work queued
+# at a dispatch, a first token's TTFT, a completion's TPOT
+SAMPLE_PREFILL_WORK = 0
+SAMPLE_TTFT = 1
+SAMPLE_TPOT = 2
+SAMPLE_KINDS = ("prefill_work", "ttft", "tpot")
 
 
 def ewma(old: float | None, sample: float, alpha: float = EWMA_ALPHA) -> float:
@@ -56,13 +72,15 @@ def prefill_tokens(info: RequestInfo) -> int:
     return max(0, info.input_tokens - info.cached_tokens)
 
 
-def note_dispatch(s: BackendState, info: RequestInfo) -> None:
+def note_dispatch(s: BackendState, info: RequestInfo) -> float:
+    """Count the dispatch; returns the prefill-work sample it learned from."""
     s.in_flight += 1
     new_tokens = prefill_tokens(info)
-    work = s.outstanding_prefill_tokens + new_tokens
-    s.ewma_prefill_work_tokens = ewma(s.ewma_prefill_work_tokens, float(work))
+    work = float(s.outstanding_prefill_tokens + new_tokens)
+    s.ewma_prefill_work_tokens = ewma(s.ewma_prefill_work_tokens, work)
     s.outstanding_prefill_tokens += new_tokens
     s.outstanding_decode_tokens += info.predicted_output_tokens
+    return work
 
 
 def note_first_token(s: BackendState, info: RequestInfo, ttft_ms: float) -> None:
@@ -81,6 +99,17 @@ def note_complete(
     if outcome.tpot_ms is not None:
         s.ewma_tpot_ms = ewma(s.ewma_tpot_ms, outcome.tpot_ms)
     s.consecutive_errors = 0 if outcome.ok else s.consecutive_errors + 1
+
+
+def note_sample(s: BackendState, kind: int, value: float) -> None:
+    """Learn from a sample another router took (``SAMPLE_*`` ``kind``), as if taken here."""
+    if kind == SAMPLE_PREFILL_WORK:
+        s.ewma_prefill_work_tokens = ewma(s.ewma_prefill_work_tokens, value)
+    elif kind == SAMPLE_TTFT:
+        s.ewma_ttft_ms = ewma(s.ewma_ttft_ms, value)
+        s.num_ttft_samples += 1
+    elif kind == SAMPLE_TPOT:
+        s.ewma_tpot_ms = ewma(s.ewma_tpot_ms, value)
 
 
 def estimated_ttft_ms(s: BackendState, e2e_ms: float, output_tokens: int) -> float | None:

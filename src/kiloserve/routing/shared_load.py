@@ -9,7 +9,8 @@ They live in one shared-memory segment (``multiprocessing.shared_memory``):
 
 * a **name table**: slot -> backend id, claimed once per backend under a lock;
 * per worker, a **row** of its own counts per slot and a **ring** of its changes
-  ``(slot, field, delta)``. Only that worker writes its row and ring (single writer, no
+  ``(slot, field, delta)`` and of its learned samples ``(slot, _NF + kind, value as a
+  float64)``. Only that worker writes its row and ring (single writer, no
   lock on the hot path): it writes the entry, then its row, then publishes the ring's
   write index, inside a sequence counter (odd while writing) so a reader can take a
   consistent copy of the row and the index together;
@@ -27,18 +28,21 @@ accounting changed its own state, with the exact delta it applied). ``pull`` app
 every peer's changes since the last pull to this worker's states (called before each
 routing decision and before every read of the table), so each worker's
 ``BackendState`` counters are the sum over all workers, exact up to the changes a peer
-makes while a decision runs. A reader that fell more than a ring behind (a stalled
-worker) rebuilds its view from the rows. A worker that replaces a dead one first
+makes while a decision runs. ``publish_sample`` records a sample this worker's EWMAs
+learned from (a dispatch's prefill work, a TTFT, a TPOT: ``policies.accounting``);
+``pull`` feeds the peers' samples to this worker's EWMAs (``note_sample``), so every
+worker learns the backends' speeds from all of the gateway's traffic, not its share.
+A reader that fell more than a ring behind (a stalled worker) rebuilds its view from
+the rows (the EWMAs keep what they learned). A worker that replaces a dead one first
 retires what the dead one still counted (its row, published as negative changes), so
 requests that died with it stop counting everywhere.
 
-What stays per worker: learned speeds (EWMAs), the active health probes and the
-outlier and slow-node state machines (their verdicts are shared:
-``routing.shared_verdicts``), the approximate prefix index (each keeps its own, fed
-with the siblings' placements: ``routing.shared_prefixes``), and the admission
-queues (each worker queues its own requests against the shared budget, in one order
-across workers: ``gateway/admission/shared_queue.py``); see docs/gateway.md
-("Workers").
+What stays per worker: the active health probes and the outlier and slow-node state
+machines (their verdicts are shared: ``routing.shared_verdicts``), the approximate
+prefix index (each keeps its own, fed with the siblings' placements:
+``routing.shared_prefixes``), and the admission queues (each worker queues its own
+requests against the shared budget, in one order across workers:
+``gateway/admission/shared_queue.py``); see docs/gateway.md ("Workers").
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 from typing import TYPE_CHECKING
 
+from kiloserve.policies.accounting import SAMPLE_KINDS, note_sample
 from kiloserve.routing.engine_metrics import EngineMetrics
 
 if TYPE_CHECKING:
@@ -355,6 +360,23 @@ class SharedLoad:
         q[base + 1] = i
         q[base] += 1  # even: consistent
 
+    def publish_sample(self, backend_id: str, kind: int, value: float) -> None:
+        """Record a sample this worker's EWMAs learned from (``SAMPLE_*`` ``kind``):
+        a ring entry of its own, no row change."""
+        slot = self.slot(backend_id)
+        if slot is None or not 0 <= kind < len(SAMPLE_KINDS):
+            return
+        q, lay = self._q, self.layout
+        base = self._bases[self.worker]
+        i = q[base + 1]
+        e = self._rings[self.worker] + (i % lay.ring) * _ENTRY
+        q[base] += 1  # odd: writing
+        q[e] = slot
+        q[e + 1] = _NF + kind
+        self._d[e + 2] = value
+        q[base + 1] = i + 1
+        q[base] += 1  # even: consistent
+
     # -- peers' changes ---------------------------------------------------------------
     def pull(self, state_of: Callable[[str], BackendState | None]) -> None:
         """Apply every peer's changes since the last pull (and new drains)."""
@@ -373,12 +395,16 @@ class SharedLoad:
                 return
             for i in range(start, end):
                 e = ring + (i % lay.ring) * _ENTRY
-                slot, f, d = q[e], q[e + 1], q[e + 2]
+                slot, f = q[e], q[e + 1]
                 name = self._slot_name(slot)
                 s = state_of(name) if name else None
-                if s is not None:
+                if s is None:
+                    continue
+                if f < _NF:
                     attr = FIELDS[f]
-                    setattr(s, attr, getattr(s, attr) + d)
+                    setattr(s, attr, getattr(s, attr) + q[e + 2])
+                else:  # a sample (publish_sample)
+                    note_sample(s, f - _NF, self._d[e + 2])
             if q[base + 1] - start > lay.ring:  # overwritten while we read: start over
                 self.resync(state_of)
                 return

@@ -36,6 +36,9 @@ from kiloserve.catalog.loader import get_gpu
 from kiloserve.errors import CatalogError, NotFoundError
 from kiloserve.policies.accounting import (
     EWMA_ALPHA,
+    SAMPLE_PREFILL_WORK,
+    SAMPLE_TPOT,
+    SAMPLE_TTFT,
     note_complete,
     note_dispatch,
     note_first_token,
@@ -141,9 +144,15 @@ class TableSettings(Protocol):
 class LoadShare(Protocol):
     """Load shared with other routers of the same backends (``routing.shared_load``:
     the gateway's worker processes). The table publishes the exact change its own
-    accounting made; ``pull`` adds the peers' changes to the table's states."""
+    accounting made, and the samples its EWMAs learned from; ``pull`` adds the peers'
+    changes to the table's states and feeds their samples to its EWMAs."""
 
     def publish(self, backend_id: str, deltas: tuple[int, ...]) -> None: ...
+
+    def publish_sample(self, backend_id: str, kind: int, value: float) -> None:
+        """A sample this router learned from (``policies.accounting.SAMPLE_*``); the
+        peers feed it to their own EWMAs (``accounting.note_sample``)."""
+        ...
 
     def pull(self, state_of: Callable[[str], BackendState | None]) -> None: ...
 
@@ -289,9 +298,10 @@ class BackendTable:
     def on_dispatch(self, backend_id: str, info: RequestInfo) -> None:
         state = self._records[backend_id].state
         before = _load(state) if self.shared is not None else None
-        note_dispatch(state, info)
+        work = note_dispatch(state, info)
         if before is not None:
             self._publish(state, before)
+            self._share_sample(backend_id, SAMPLE_PREFILL_WORK, work)
         if self.kv_cache is not None:
             self.kv_cache.in_flight.add(backend_id, info.prefix_hashes)
 
@@ -302,6 +312,7 @@ class BackendTable:
             note_first_token(rec.state, info, ttft_ms)
             if before is not None:
                 self._publish(rec.state, before)
+                self._share_sample(backend_id, SAMPLE_TTFT, ttft_ms)
 
     def on_complete(
         self, backend_id: str, info: RequestInfo, outcome: Outcome, *, had_first_token: bool
@@ -315,6 +326,8 @@ class BackendTable:
         note_complete(rec.state, info, outcome, had_first_token=had_first_token)
         if before is not None:
             self._publish(rec.state, before)
+            if outcome.tpot_ms is not None:
+                self._share_sample(backend_id, SAMPLE_TPOT, outcome.tpot_ms)
         if rec.is_removing and rec.state.in_flight == 0:
             self._delete(backend_id)
 
@@ -337,6 +350,10 @@ class BackendTable:
         deltas = tuple(a - b for a, b in zip(_load(state), before, strict=True))
         if self.shared is not None and any(deltas):
             self.shared.publish(state.backend_id, deltas)
+
+    def _share_sample(self, backend_id: str, kind: int, value: float) -> None:
+        if self.shared is not None:
+            self.shared.publish_sample(backend_id, kind, value)
 
     # -- dynamic membership (registry) ---------------------------------------------
     def add_backend(self, cfg: BackendConfig) -> None:

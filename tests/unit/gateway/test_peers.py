@@ -130,3 +130,47 @@ def test_a_backend_added_later_gets_the_peers_counts() -> None:
     t2.sync()  # g2 does not know "late" yet
     t2.add_backend(BackendConfig(url="http://127.0.0.1:9100", name="late", models=["m"]))
     assert t2.state("late").in_flight == 1
+
+
+def _speeds(t: BackendTable, name: str) -> tuple[float | None, float | None, float | None, int]:
+    s = t.state(name)
+    return s.ewma_prefill_work_tokens, s.ewma_ttft_ms, s.ewma_tpot_ms, s.num_ttft_samples
+
+
+def test_each_gateway_learns_from_the_others_samples() -> None:
+    """Learned speeds travel with the totals: g2 learns g1's TTFT and TPOT samples; a
+    sibling worker's message (same instance) and malformed samples teach nothing."""
+    clock = _Clock()
+    (t1, p1), (t2, p2) = _gateway(clock, "g1"), _gateway(clock, "g2")
+    t1.on_dispatch("a", _info())
+    t1.on_first_token("a", _info(), 40.0)
+    t1.on_complete("a", _info(), Outcome(ok=True, tpot_ms=8.0), had_first_token=True)
+    _send(p1, p2)
+    t2.sync()
+    assert _speeds(t2, "a") == _speeds(t1, "a") == (100.0, 40.0, 8.0, 1)
+    assert _speeds(t2, "b") == (None, None, None, 0)
+    assert p1._message(full=False) is None  # sent once: nothing new to say
+
+    t3, p3 = _gateway(clock, "g1")  # a sibling worker of g1: shares through memory
+    t3.on_first_token("a", _info(), 400.0)
+    _send(p3, p1)
+    t1.sync()
+    assert _speeds(t1, "a") == (100.0, 40.0, 8.0, 1)
+    junk = [["a", 1, "x"], ["a", 7, 1.0], ["a", True, 1.0], "junk", ["a", 1], ["a", 1, 1e400]]
+    p2._inbox.append({"id": "g9:1", "inst": "g9", "b": {}, "s": junk})
+    t2.sync()
+    assert _speeds(t2, "a") == (100.0, 40.0, 8.0, 1)
+
+
+def test_samples_wait_for_the_next_message_within_a_bound() -> None:
+    from kiloserve.gateway.peers import MAX_SAMPLES_PER_MESSAGE
+
+    clock = _Clock()
+    t1, p1 = _gateway(clock, "g1")
+    for i in range(MAX_SAMPLES_PER_MESSAGE + 5):
+        t1.on_first_token("a", _info(), float(i))
+    raw = p1._message(full=False)
+    assert raw is not None
+    samples = orjson.loads(raw)["s"]
+    assert len(samples) == MAX_SAMPLES_PER_MESSAGE  # the oldest dropped
+    assert samples[-1] == ["a", 1, float(MAX_SAMPLES_PER_MESSAGE + 4)]

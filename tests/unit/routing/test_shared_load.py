@@ -83,8 +83,48 @@ def test_each_worker_sees_the_others_in_flight(segment: SharedLoad) -> None:
     for t in (t0, t1):
         assert _load(t.state("a")) == (3, 250, 25)
         assert _load(t.state("b")) == (0, 0, 0)
-    # learned speeds stay per worker
-    assert t0.state("a").num_ttft_samples == 1 and t1.state("a").num_ttft_samples == 0
+    # what one worker learned, the other learned too
+    assert t0.state("a").num_ttft_samples == t1.state("a").num_ttft_samples == 1
+    assert t0.state("a").ewma_ttft_ms == t1.state("a").ewma_ttft_ms == 20.0
+
+
+def _speeds(s: BackendState) -> tuple[float | None, float | None, float | None, int]:
+    return s.ewma_prefill_work_tokens, s.ewma_ttft_ms, s.ewma_tpot_ms, s.num_ttft_samples
+
+
+def test_every_worker_learns_from_every_workers_samples() -> None:
+    """Samples taken by either worker (dispatch work, TTFT, TPOT) reach the other's
+    EWMAs, in the order they were taken: two workers that alternate learn what one
+    router seeing all of it learns."""
+    owner = SharedLoad.create(LoadLayout(workers=2, slots=8, ring=4096))
+    try:
+        t0, t1, alone = _table("a", "b"), _table("a", "b"), _table("a", "b")
+        _worker(owner, 0, t0)
+        _worker(owner, 1, t1)
+        for i in range(12):
+            t = (t0, t1)[i % 2]
+            info = _info(100 + 10 * i, 10)
+            for table in (t, alone):
+                table.on_dispatch("a", info)
+                table.on_first_token("a", info, 30.0 + i)
+                table.on_complete("a", info, Outcome(ok=True, tpot_ms=5.0 + i / 4),
+                                  had_first_token=True)  # fmt: skip
+            t0.sync()
+            t1.sync()  # each pulls the other's samples before the next request
+        expected = _speeds(alone.state("a"))
+        assert expected[3] == 12 and None not in expected
+        assert _speeds(t0.state("a")) == pytest.approx(expected)
+        assert _speeds(t1.state("a")) == pytest.approx(expected)
+        # counters are unchanged by samples, and b learned nothing
+        assert _load(t0.state("a")) == _load(t1.state("a")) == (0, 0, 0)
+        assert _speeds(t1.state("b")) == (None, None, None, 0)
+        # a rebuild from the rows (a reader a ring behind) keeps what was learned
+        t1.shared.resync(t1.state_or_none)  # type: ignore[union-attr]
+        assert _speeds(t1.state("a")) == pytest.approx(expected)
+    finally:
+        while _OPEN:
+            _OPEN.pop().close()
+        owner.close()
 
 
 def test_a_reader_more_than_a_ring_behind_rebuilds_from_the_rows(segment: SharedLoad) -> None:
