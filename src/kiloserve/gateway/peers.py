@@ -7,8 +7,11 @@ publishes **its own totals** per backend (the counters of ``routing.shared_load.
 in flight, outstanding prefill / decode tokens, admission grants and reservations) on
 one Redis pub/sub channel, and adds every peer's latest totals to its table:
 
-* a change is published within ``flush_interval_s`` (10 ms): only the backends that
-  changed, as absolute totals, so a lost message is corrected by the next one;
+* a change is published at once when nothing was sent in the last ``flush_interval_s``
+  (10 ms), else with the others of that interval, in one message when it ends: only
+  the backends that changed, as absolute totals, so a lost message is corrected by the
+  next one (the sooner a peer hears, the fewer decisions two gateways make on the same
+  stale view);
 * every ``snapshot_interval_s`` (1 s) a full snapshot doubles as a heartbeat;
 * a peer silent for ``peer_timeout_s`` (3 s: it died, or its Redis link did) is
   forgotten: its counts are subtracted;
@@ -123,6 +126,7 @@ class PeerLoad:
         self._own: dict[str, list[int]] = {}
         self._dirty: set[str] = set()
         self._samples: list[tuple[str, int, float]] = []
+        self._wake = asyncio.Event()  # set by a change while the send loop idles
         self._peers: dict[str, _Peer] = {}
         self._inbox: list[dict[str, Any]] = []
         self._forget_all = False
@@ -154,6 +158,8 @@ class PeerLoad:
         for f in range(_NF):
             own[f] += deltas[f]
         self._dirty.add(backend_id)
+        if not self._wake.is_set():
+            self._wake.set()
 
     def publish_sample(self, backend_id: str, kind: int, value: float) -> None:
         if self.inner is not None:
@@ -162,6 +168,8 @@ class PeerLoad:
         if len(samples) >= MAX_SAMPLES_PER_MESSAGE:
             del samples[: len(samples) - MAX_SAMPLES_PER_MESSAGE + 1]
         samples.append((backend_id, kind, value))
+        if not self._wake.is_set():
+            self._wake.set()
 
     def pull(self, state_of: Callable[[str], BackendState | None]) -> None:
         if self.inner is not None:
@@ -299,6 +307,9 @@ class PeerLoad:
             self._drain(self.state_of)
 
     async def _send_loop(self) -> None:
+        """Send a change at once after a quiet spell; while changes keep coming, at most
+        one message per ``flush_interval_s``; a full snapshot every
+        ``snapshot_interval_s``."""
         next_full = 0.0
         while True:
             now = self._clock()
@@ -306,15 +317,20 @@ class PeerLoad:
             msg = self._message(full=full)
             if full:
                 next_full = now + self.cfg.snapshot_interval_s
-            if msg is not None:
-                try:
-                    await self._redis.publish(self.cfg.channel, msg)
-                    self.num_sent += 1
-                except Exception as exc:
-                    self._lost(exc)
-                    next_full = 0.0  # resend everything once it is back
-                    await asyncio.sleep(min(1.0, self.cfg.snapshot_interval_s))
-                    continue
+            if msg is None:  # idle until a change (publish) or the next snapshot
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(max(0.0, next_full - self._clock())):
+                        await self._wake.wait()
+                continue
+            try:
+                await self._redis.publish(self.cfg.channel, msg)
+                self.num_sent += 1
+            except Exception as exc:
+                self._lost(exc)
+                next_full = 0.0  # resend everything once it is back
+                await asyncio.sleep(min(1.0, self.cfg.snapshot_interval_s))
+                continue
             await asyncio.sleep(self.cfg.flush_interval_s)
 
     async def _receive_loop(self) -> None:

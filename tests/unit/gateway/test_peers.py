@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
 from dataclasses import dataclass
 
 import orjson
@@ -174,3 +177,47 @@ def test_samples_wait_for_the_next_message_within_a_bound() -> None:
     samples = orjson.loads(raw)["s"]
     assert len(samples) == MAX_SAMPLES_PER_MESSAGE  # the oldest dropped
     assert samples[-1] == ["a", 1, float(MAX_SAMPLES_PER_MESSAGE + 4)]
+
+
+class _Redis:
+    """What the send loop calls: ``publish`` (messages recorded with their time)."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[float, dict[str, object]]] = []
+
+    async def publish(self, channel: str, msg: bytes) -> None:
+        self.sent.append((time.monotonic(), orjson.loads(msg)))
+
+
+async def test_a_change_after_a_quiet_spell_is_sent_at_once_and_bursts_are_batched() -> None:
+    """The first change after the flush interval goes out at once (it used to wait for
+    the loop's next tick, up to ``flush_interval_s``); later changes of the same
+    interval wait for it to end. A long flush interval makes the two cases plain."""
+    table = _gateway(_Clock(), "g1")[0]
+    peers = PeerLoad(
+        PeerConfig(enabled=True, flush_interval_s=2.0, snapshot_interval_s=60.0),
+        "redis://unused",
+        instance="g1",
+    )
+    table.shared = peers
+    redis = _Redis()
+    peers._redis = redis
+    task = asyncio.ensure_future(peers._send_loop())
+    try:
+        await asyncio.sleep(0.05)
+        assert len(redis.sent) == 1 and redis.sent[0][1]["full"]  # the first snapshot
+        await asyncio.sleep(2.2)  # a quiet spell longer than the flush interval
+        t0 = time.monotonic()
+        table.on_dispatch("a", _info())
+        await asyncio.sleep(0.5)
+        assert len(redis.sent) == 2, redis.sent
+        sent_at, msg = redis.sent[1]
+        assert sent_at - t0 < 0.5 and msg["b"] == {"a": [1, 100, 10, 0, 0, 0]}
+        table.on_dispatch("b", _info())  # within the interval: batched
+        table.on_dispatch("a", _info())
+        await asyncio.sleep(0.5)
+        assert len(redis.sent) == 2
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
