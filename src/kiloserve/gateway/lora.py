@@ -21,6 +21,9 @@ for any model. This module adds what discovery cannot:
 
 A failed load leaves the request to the usual 404 of an unserved model, and the
 backend's adapters as they were.
+
+With ``--workers N`` the workers share their loads and unloads and load an adapter
+once between them (``shared``: gateway/lora_shared.py).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from aiohttp import web
 
 from kiloserve.gateway.lora_placement import Adapter, LoraPlacement
 from kiloserve.gateway.lora_settings import LoraConfig
+from kiloserve.gateway.lora_shared import SharedLora
 from kiloserve.routing.router import Router
 from kiloserve.routing.table import BackendTable
 
@@ -79,6 +83,7 @@ class LoraManager:
         self.session: aiohttp.ClientSession | None = None
         self._loading: dict[str, asyncio.Future[None]] = {}
         self._backend_locks: dict[str, asyncio.Lock] = {}
+        self.shared: SharedLora | None = None  # the sibling workers' loads (--workers N)
         self.num_loads = 0
         self.num_unloads = 0
 
@@ -87,6 +92,8 @@ class LoraManager:
         adapter = self.catalog.get(model)
         if adapter is None:
             return
+        if self.shared is not None:
+            self.shared.sync(self.placement)
         holders = self.placement.holders(model)
         if holders:
             self.placement.touch(model, holders, self.clock())
@@ -98,10 +105,30 @@ class LoraManager:
         future = asyncio.get_running_loop().create_future()
         self._loading[model] = future
         try:
-            await self._load_somewhere(adapter, request_id)
+            await self._load_once(adapter, request_id)
         finally:
             del self._loading[model]
             future.set_result(None)
+
+    async def _load_once(self, adapter: Adapter, request_id: str) -> None:
+        """Load it, unless a sibling worker is loading it: then wait for that load."""
+        shared = self.shared
+        if shared is None:
+            await self._load_somewhere(adapter, request_id)
+            return
+
+        def is_held() -> bool:
+            shared.sync(self.placement)
+            return bool(self.placement.holders(adapter.name))
+
+        # a claim outlives a load's calls (an unload and a load) before a sibling takes over
+        if not await shared.claim(adapter.name, 3 * self.cfg.load_timeout_s, is_held):
+            return
+        try:
+            if not is_held():  # a sibling's load may have ended just before the claim
+                await self._load_somewhere(adapter, request_id)
+        finally:
+            shared.release(adapter.name)
 
     async def _load_somewhere(self, adapter: Adapter, request_id: str) -> None:
         backend_id = self.placement.pick(adapter, request_id, self.clock())
@@ -120,6 +147,8 @@ class LoraManager:
                 return
             self.num_loads += 1
             self.placement.set_held(backend_id, adapter.name, is_held=True, now_s=self.clock())
+            if self.shared is not None:
+                self.shared.record(backend_id, adapter.name, held=True)
             logger.info(
                 "request_id=%s backend=%s loaded LoRA adapter %s",
                 request_id, backend_id, adapter.name,
@@ -135,6 +164,8 @@ class LoraManager:
             )  # fmt: skip
             self.num_unloads += 1
             self.placement.set_held(backend_id, victim, is_held=False, now_s=self.clock())
+            if self.shared is not None:
+                self.shared.record(backend_id, victim, held=False)
 
     async def _call(self, backend_id: str, path: str, body: dict[str, Any]) -> int | None:
         """POST ``body``; the status, or ``None`` when the backend did not answer."""

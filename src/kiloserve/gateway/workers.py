@@ -55,6 +55,8 @@ from kiloserve.gateway.app import (
 )
 from kiloserve.gateway.config import GatewayConfig, parse_gateway_config
 from kiloserve.gateway.dashboard import DASHBOARD_SIBLINGS_KEY
+from kiloserve.gateway.lora import LORA_KEY
+from kiloserve.gateway.lora_shared import SharedLora
 from kiloserve.gateway.peers import PEERS_KEY
 from kiloserve.gateway.reload import restart_fields
 from kiloserve.gateway.worker_metrics import WorkerMetrics
@@ -232,9 +234,10 @@ def attach_worker(
     which then ignores its siblings), the merged ``/metrics``, the scrapes (worker 0
     scrapes for all), the rate-limit buckets, the health verdicts (probe failures,
     ejections and demotions: ``routing.shared_verdicts``), the prefix placements
-    of the approximate index (``routing.shared_prefixes``) and the admission queues'
-    order (``gateway/admission/shared_queue.py``); the dashboard answers for all of
-    them (``gateway/dashboard_merge.py``)."""
+    of the approximate index (``routing.shared_prefixes``), the admission queues'
+    order (``gateway/admission/shared_queue.py``) and the LoRA loads
+    (``gateway/lora_shared.py``); the dashboard answers for all of them
+    (``gateway/dashboard_merge.py``)."""
     table = app[TABLE_KEY]
     peers = app.get(PEERS_KEY)
     if peers is not None:  # other gateways through Redis, siblings through memory
@@ -251,6 +254,9 @@ def attach_worker(
     router = app[CTX_KEY].router
     prefixes = SharedPrefixes(shared)
     router.before_decide = lambda: prefixes.pull(router.policy)
+    lora = app.get(LORA_KEY)
+    if lora is not None:
+        lora.shared = SharedLora(shared, worker)
     flow = app.get(FLOW_KEY)
     if flow is not None and isinstance(flow.limiter, LocalLimiter):
         flow.limiter = SharedLimiter(shared)

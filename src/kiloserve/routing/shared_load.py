@@ -21,7 +21,9 @@ They live in one shared-memory segment (``multiprocessing.shared_memory``):
 * the **rate-limit buckets** (JSON, read and written under the lock);
 * per worker, its **health verdicts** per slot (``routing.shared_verdicts``) and a ring
   of its **prefix placements** (``routing.shared_prefixes``), and the head of each of
-  its admission queues (``gateway/admission/shared_queue.py``).
+  its admission queues (``gateway/admission/shared_queue.py``);
+* the **LoRA log** of adapter loads and claims (JSON under the lock, with a version
+  word read without it: ``gateway/lora_shared.py``).
 
 ``publish`` records this worker's change (called by the table right after the
 accounting changed its own state, with the exact delta it applied). ``pull`` applies
@@ -47,19 +49,18 @@ requests against the shared budget, in one order across workers:
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import math
-import os
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kiloserve.policies.accounting import SAMPLE_KINDS, note_sample
 from kiloserve.routing.engine_metrics import EngineMetrics
+from kiloserve.routing.file_lock import FileLock
 
 if TYPE_CHECKING:
     from kiloserve.policies.base import BackendState
@@ -88,7 +89,7 @@ FIELDS = (
 )
 _NF = len(FIELDS)
 _MAGIC = 0x4B494C4F4C4F4144  # "KILOLOAD"
-_HEADER = 8  # words: magic, workers, slots, ring, admin version, bucket bytes, prefix ring
+_HEADER = 8  # magic, workers, slots, ring, admin version, bucket bytes, prefix ring, lora
 _NAME_BYTES = 248
 _NAME_WORDS = 1 + _NAME_BYTES // 8  # length word + utf-8 bytes
 _ENTRY = 3  # slot, field, delta
@@ -110,6 +111,7 @@ class LoadLayout:
     ring: int = 65536
     bucket_bytes: int = 1 << 20  # the rate-limit buckets (JSON, under the lock)
     prefix_ring: int = 1 << 18  # words per worker for its prefix placements
+    lora_bytes: int = 1 << 16  # the LoRA log (JSON, under the lock)
 
     @property
     def names_at(self) -> int:
@@ -159,8 +161,12 @@ class LoadLayout:
         return self.prefixes_at + self.workers * (1 + self.prefix_ring)
 
     @property
-    def words(self) -> int:
+    def lora_at(self) -> int:  # version, length, then the JSON bytes
         return self.queues_at + self.workers * self.slots * 3
+
+    @property
+    def words(self) -> int:
+        return self.lora_at + 2 + self.lora_bytes // 8
 
 
 def _buf(shm: shared_memory.SharedMemory) -> memoryview:
@@ -168,25 +174,6 @@ def _buf(shm: shared_memory.SharedMemory) -> memoryview:
     if buf is None:  # closed
         raise ValueError(f"shared memory {shm.name!r} is closed")
     return buf
-
-
-class FileLock:
-    """A cross-process lock on a file (``flock``): released by the kernel when its
-    holder dies, so a crashed worker never leaves it taken."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-
-    def __enter__(self) -> FileLock:
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
-
-    def close(self) -> None:
-        os.close(self._fd)
 
 
 class SharedLoad:
@@ -235,6 +222,7 @@ class SharedLoad:
         q[1], q[2], q[3] = layout.workers, layout.slots, layout.ring
         q[5] = layout.bucket_bytes
         q[6] = layout.prefix_ring
+        q[7] = layout.lora_bytes
         q[0] = _MAGIC
         q.release()
         return cls(shm, layout, -1, lock, owner=True)
@@ -254,8 +242,9 @@ class SharedLoad:
             shm.close()
             raise ValueError(f"shared memory {name!r} is not a kiloserve load segment")
         layout = LoadLayout(
-            workers=q[1], slots=q[2], ring=q[3], bucket_bytes=q[5], prefix_ring=q[6]
-        )
+            workers=q[1], slots=q[2], ring=q[3], bucket_bytes=q[5], prefix_ring=q[6],
+            lora_bytes=q[7],
+        )  # fmt: skip
         q.release()
         if not 0 <= worker < layout.workers:
             shm.close()
@@ -542,25 +531,45 @@ class SharedLoad:
         )
         return outcome, t, metrics, reason
 
-    # -- rate-limit buckets ----------------------------------------------------------
+    # -- JSON under the lock: rate-limit buckets, the LoRA log ------------------------
     @contextmanager
     def buckets(self) -> Iterator[dict[str, list[float]]]:
         """Every worker's rate-limit buckets (``key -> [level, updated_s, capacity]``), under the
         lock: changes to the dict are written back when the block ends. Times are
         ``time.monotonic()``, one clock for every process of the host."""
-        at = self.layout.buckets_at
+        with self._json(self.layout.buckets_at, self.layout.bucket_bytes, "rate-limit") as got:
+            yield got
+
+    @property
+    def lora_version(self) -> int:
+        """Bumped by every change of the LoRA log (read without the lock)."""
+        return self._q[self.layout.lora_at]
+
+    @contextmanager
+    def lora_doc(self) -> Iterator[dict[str, Any]]:
+        """The LoRA log (``gateway/lora_shared.py``) under the lock, written back (and
+        ``lora_version`` bumped) when the block changed it."""
+        at = self.layout.lora_at
+        with self._json(at + 1, self.layout.lora_bytes, "LoRA", version_at=at) as got:
+            yield got
+
+    @contextmanager
+    def _json(self, at: int, limit: int, what: str, version_at: int = -1) -> Iterator[Any]:
         with self._lock:
             n = self._q[at]
             raw = bytes(self._raw[(at + 1) * 8 : (at + 1) * 8 + n]) if n > 0 else b"{}"
-            got: dict[str, list[float]] = json.loads(raw)
+            got = json.loads(raw)
             yield got
             out = json.dumps(got, separators=(",", ":")).encode()
-            if len(out) > self.layout.bucket_bytes:
-                logger.warning("shared rate-limit buckets over %d bytes: starting afresh",
-                               self.layout.bucket_bytes)  # fmt: skip
+            if out == raw:
+                return
+            if len(out) > limit:
+                logger.warning("shared %s JSON over %d bytes: starting afresh", what, limit)
                 out = b"{}"
             self._raw[(at + 1) * 8 : (at + 1) * 8 + len(out)] = out
             self._q[at] = len(out)
+            if version_at >= 0:
+                self._q[version_at] += 1
 
     # -- drains ----------------------------------------------------------------------
     def set_draining(self, backend_id: str, draining: bool) -> None:

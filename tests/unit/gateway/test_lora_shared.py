@@ -1,0 +1,125 @@
+"""LoRA placement shared by workers (gateway/lora_shared.py): two handles, one segment."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from kiloserve.gateway.lora_placement import Adapter, LoraPlacement
+from kiloserve.gateway.lora_shared import LOG_SIZE, SharedLora
+from kiloserve.policies.round_robin import RoundRobinPolicy
+from kiloserve.routing.config import BackendConfig
+from kiloserve.routing.router import Router
+from kiloserve.routing.shared_load import LoadLayout, SharedLoad
+from kiloserve.routing.table import BackendTable
+
+
+@dataclass
+class _Settings:
+    backends: list[BackendConfig]
+    stale_after_s: float = 1.0
+    max_scrape_failures: int = 3
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _placement() -> LoraPlacement:
+    cfgs = [BackendConfig(url=f"http://127.0.0.1:{9000 + i}", name=n, models=["base"])
+            for i, n in enumerate(("a", "b"))]  # fmt: skip
+    table = BackendTable(_Settings(cfgs))
+    placement = LoraPlacement(table, Router(table, RoundRobinPolicy(), random.Random(0)), 4)
+    placement.catalog["ad1"] = Adapter("ad1", "/a/ad1", "base")
+    return placement
+
+
+@pytest.fixture
+def segment() -> Iterator[list[SharedLoad]]:
+    owner = SharedLoad.create(LoadLayout(workers=2, slots=8, ring=16))
+    handles = [SharedLoad.attach(owner.name, w) for w in (0, 1)]
+    yield handles
+    for h in handles:
+        h.close()
+    owner.close()
+
+
+def test_a_load_or_unload_one_worker_makes_is_the_others_at_its_next_sync(
+    segment: list[SharedLoad],
+) -> None:
+    clock = _Clock()
+    p0, p1 = _placement(), _placement()
+    s0, s1 = SharedLora(segment[0], 0, clock), SharedLora(segment[1], 1, clock)
+    s1.sync(p1)
+    version = segment[1].lora_version
+    s1.sync(p1)  # nothing new: no read under the lock
+    assert segment[1].lora_version == version and p1.holders("ad1") == []
+
+    p0.set_held("b", "ad1", is_held=True, now_s=clock())
+    s0.record("b", "ad1", held=True)
+    s1.sync(p1)
+    assert p1.holders("ad1") == ["b"]
+    s0.record("b", "ad1", held=False)
+    s0.record("a", "ad1", held=True)
+    s1.sync(p1)
+    assert p1.holders("ad1") == ["a"]
+    s0.sync(p0)  # its own entries were seen when written: nothing to apply
+    assert p0.holders("ad1") == ["b"]
+
+
+def test_the_log_keeps_its_newest_entries(segment: list[SharedLoad]) -> None:
+    s0 = SharedLora(segment[0], 0)
+    for i in range(LOG_SIZE + 10):
+        s0.record("a", f"ad{i}", held=True)
+    with segment[1].lora_doc() as doc:
+        events = doc["events"]
+    assert len(events) == LOG_SIZE and events[-1] == [LOG_SIZE + 10, "a", f"ad{LOG_SIZE + 9}", True]
+
+
+async def test_a_sibling_waits_for_the_claimed_load_and_then_finds_it_held(
+    segment: list[SharedLoad],
+) -> None:
+    clock = _Clock()
+    p0, p1 = _placement(), _placement()
+    s0, s1 = SharedLora(segment[0], 0, clock), SharedLora(segment[1], 1, clock)
+
+    def held_by(shared: SharedLora, placement: LoraPlacement) -> bool:
+        shared.sync(placement)
+        return bool(placement.holders("ad1"))
+
+    assert await s0.claim("ad1", 30.0, lambda: held_by(s0, p0))
+    waiter = asyncio.ensure_future(s1.claim("ad1", 30.0, lambda: held_by(s1, p1)))
+    await asyncio.sleep(0.1)
+    assert not waiter.done()  # worker 0 is loading it
+    p0.set_held("a", "ad1", is_held=True, now_s=clock())
+    s0.record("a", "ad1", held=True)
+    s0.release("ad1")
+    assert await asyncio.wait_for(waiter, 2.0) is False  # held now: no load of its own
+    assert p1.holders("ad1") == ["a"] and s1.num_waits == 1
+    with segment[1].lora_doc() as doc:
+        assert doc["loading"] == {}
+
+
+async def test_a_claim_older_than_its_expiry_is_taken_over(segment: list[SharedLoad]) -> None:
+    """A worker that died while loading leaves its claim; a sibling takes it over once
+    it is older than the expiry."""
+    clock = _Clock()
+    p1 = _placement()
+    s0, s1 = SharedLora(segment[0], 0, clock), SharedLora(segment[1], 1, clock)
+    assert await s0.claim("ad1", 30.0, lambda: False)
+    waiter = asyncio.ensure_future(s1.claim("ad1", 30.0, lambda: bool(p1.holders("ad1"))))
+    await asyncio.sleep(0.1)
+    assert not waiter.done()
+    clock.now += 31.0
+    assert await asyncio.wait_for(waiter, 2.0) is True
+    s0.release("ad1")  # not its claim any more: left alone
+    with segment[1].lora_doc() as doc:
+        assert doc["loading"]["ad1"][0] == 1
