@@ -15,8 +15,9 @@ this, through the shared segment (``routing.shared_load``, ``SharedLoad.lora_doc
 * **one load at a time per adapter**: a worker about to load an adapter first claims
   it (``loading``: adapter -> ``[worker, since]``); a sibling that misses the same
   adapter meanwhile waits for the claim to go (polling the version word every
-  ``POLL_S``), then finds the adapter held and routes there. A claim older than the
-  load timeout (a worker that died loading) is taken over.
+  ``POLL_S``), then finds the adapter held and routes there. A claim older than its
+  expiry (the caller's: three load timeouts, for a worker that died loading) is taken
+  over.
 
 What each worker still keeps for itself: the adapters' last-request times (the
 least-recently-requested order of unloads is the loading worker's view of its own
@@ -78,8 +79,8 @@ class SharedLora:
 
     async def claim(self, name: str, expiry_s: float, is_held: Callable[[], bool]) -> bool:
         """Claim the load of adapter ``name``: True once this worker holds the claim,
-        False when a sibling's load made it held (``is_held``, checked after each
-        ``sync`` the caller's placement needs: the caller syncs in ``is_held``)."""
+        False as soon as ``is_held()`` (which syncs the caller's placement) says a
+        sibling's load made it held; asked before every try."""
         waited = False
         while True:
             if is_held():
