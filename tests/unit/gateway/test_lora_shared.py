@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
+from test_peers import _Clock, _Settings
 
 from kiloserve.gateway.lora_placement import Adapter, LoraPlacement
 from kiloserve.gateway.lora_shared import LOG_SIZE, SharedLora
@@ -16,21 +16,6 @@ from kiloserve.routing.config import BackendConfig
 from kiloserve.routing.router import Router
 from kiloserve.routing.shared_load import LoadLayout, SharedLoad
 from kiloserve.routing.table import BackendTable
-
-
-@dataclass
-class _Settings:
-    backends: list[BackendConfig]
-    stale_after_s: float = 1.0
-    max_scrape_failures: int = 3
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _placement() -> LoraPlacement:
