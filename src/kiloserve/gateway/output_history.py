@@ -42,6 +42,7 @@ from prometheus_client.registry import Collector
 from kiloserve.gateway.config import GatewayConfig
 from kiloserve.gateway.output_history_settings import OutputHistoryConfig
 from kiloserve.gateway.profile import OutputPredictor, bounded_key
+from kiloserve.gateway.tasks import stop_tasks
 
 __all__ = [
     "OutputHistoryConfig",
@@ -129,9 +130,7 @@ class SharedOutputPredictor(OutputPredictor):
         ]
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await stop_tasks(self._tasks)  # bounded: a task may swallow its cancel
         self._tasks = []
         if self._redis is not None:
             with contextlib.suppress(Exception):

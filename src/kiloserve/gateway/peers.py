@@ -52,6 +52,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from kiloserve.gateway.peer_settings import PeerConfig
+from kiloserve.gateway.tasks import stop_tasks
 from kiloserve.policies.accounting import SAMPLE_KINDS, note_sample
 from kiloserve.routing.shared_load import FIELDS
 from kiloserve.routing.table import BackendTable
@@ -288,9 +289,7 @@ class PeerLoad:
         ]
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await stop_tasks(self._tasks)  # bounded: a task may swallow its cancel
         self._tasks = []
         if self._redis is not None:
             with contextlib.suppress(Exception):

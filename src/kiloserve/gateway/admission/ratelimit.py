@@ -170,13 +170,19 @@ return 0
 """
 
 
+REDIS_TIMEOUT_S = 2.0  # one Redis call (connect, or send and answer) of the limiter
+
+
 class RedisLimiter:
     """Buckets in Redis, shared by every gateway using the same ``redis_url``."""
 
     def __init__(self, redis_url: str, key_prefix: str = "kiloserve:rl:") -> None:
         import redis.asyncio as aioredis  # optional dependency: only when configured
 
-        self._client: Any = aioredis.Redis.from_url(redis_url)
+        # bounded: a Redis that stops answering fails open after this, not never
+        self._client: Any = aioredis.Redis.from_url(
+            redis_url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S
+        )
         self._script: Any = self._client.register_script(_ACQUIRE_LUA)
         self._prefix = key_prefix
 
