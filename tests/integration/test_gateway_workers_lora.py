@@ -11,13 +11,13 @@ itself; now one worker loads it and the other waits for that load and routes the
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 import pytest
 from aiohttp import web
+from test_gateway_fakes import FakeBackend, fake_backends
 from test_gateway_workers_shared import _private_urls, _workers
 
 from kiloserve.gateway.headers import BACKEND_HEADER
@@ -28,26 +28,22 @@ BASE = "base"
 LOAD_S = 0.5  # a load takes this long: both workers miss the adapter meanwhile
 
 
-class LoraFake:
-    """A vLLM-like backend with runtime LoRA loading."""
+@dataclass
+class LoraFake(FakeBackend):
+    """A ``FakeBackend`` serving a base model, with vLLM's runtime LoRA loading."""
 
-    def __init__(self) -> None:
-        self.held: set[str] = set()
-        self.loads: list[str] = []
-        self.served: list[str] = []
-        self.url = ""
+    models: list[str] = field(default_factory=lambda: [BASE])
+    held: set[str] = field(default_factory=set)
+    loads: list[str] = field(default_factory=list)
 
-    async def models(self, _: web.Request) -> web.Response:
+    async def _models(self, request: web.Request) -> web.Response:
         cards = [{"id": BASE, "object": "model", "root": BASE, "parent": None}]
         cards += [
             {"id": a, "object": "model", "root": f"/a/{a}", "parent": BASE} for a in self.held
         ]
         return web.json_response({"object": "list", "data": cards})
 
-    async def metrics(self, _: web.Request) -> web.Response:
-        return web.Response(text="vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n")
-
-    async def load(self, request: web.Request) -> web.Response:
+    async def _load(self, request: web.Request) -> web.Response:
         name = (await request.json())["lora_name"]
         self.loads.append(name)
         await asyncio.sleep(LOAD_S)
@@ -56,46 +52,21 @@ class LoraFake:
         self.held.add(name)
         return web.Response(text="ok")
 
-    async def unload(self, request: web.Request) -> web.Response:
+    async def _unload(self, request: web.Request) -> web.Response:
         self.held.discard((await request.json())["lora_name"])
         return web.Response(text="ok")
 
-    async def complete(self, request: web.Request) -> web.Response:
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
         model = (await request.json())["model"]
         if model != BASE and model not in self.held:
             return web.json_response({"error": {"message": "no such model"}}, status=404)
-        self.served.append(model)
-        return web.json_response({
-            "id": "c", "object": "text_completion", "model": model,
-            "choices": [{"index": 0, "text": "hi", "finish_reason": "length"}],
-            "usage": {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4},
-        })  # fmt: skip
+        return await super()._generate(request)
 
     def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/metrics", self.metrics)
-        app.router.add_post("/v1/load_lora_adapter", self.load)
-        app.router.add_post("/v1/unload_lora_adapter", self.unload)
-        app.router.add_post("/v1/completions", self.complete)
+        app = super().app()
+        app.router.add_post("/v1/load_lora_adapter", self._load)
+        app.router.add_post("/v1/unload_lora_adapter", self._unload)
         return app
-
-
-@asynccontextmanager
-async def _fakes(n: int) -> AsyncIterator[list[LoraFake]]:
-    async with AsyncExitStack() as stack:
-        fakes = []
-        for _ in range(n):
-            fake = LoraFake()
-            runner = web.AppRunner(fake.app(), access_log=None)
-            await runner.setup()
-            stack.push_async_callback(runner.cleanup)
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-            fake.url = f"http://127.0.0.1:{port}"
-            fakes.append(fake)
-        yield fakes
 
 
 async def _complete(url: str, model: str) -> tuple[int, str]:
@@ -106,7 +77,8 @@ async def _complete(url: str, model: str) -> tuple[int, str]:
 
 
 async def test_two_workers_missing_one_adapter_load_it_once(tmp_path: Path) -> None:
-    async with _fakes(2) as fakes:
+    fakes = [LoraFake(), LoraFake()]
+    async with fake_backends(*fakes):
         conf = tmp_path / "gw.yaml"
         conf.write_text(
             "health: {enabled: false}\n"
