@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint typecheck unit venv clean
-.PHONY: real-engines compiled
+.PHONY: real-engines compiled peer-routers
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -38,7 +38,12 @@ unit: $(STAMP)
 real-engines:
 	bash scripts/real_engines.sh
 
-test: lint typecheck real-engines unit
+# SGLang's and vLLM's Rust routers, the in-run references of benchmarks/gateway_overhead.py,
+# in their own venv under ~/.cache/kiloserve/peer-routers; never fails (they are then skipped).
+peer-routers:
+	bash scripts/peer_routers.sh
+
+test: lint typecheck real-engines peer-routers unit
 
 # The simulator's hot modules compiled with mypyc (also built at install; a no-op when
 # up to date), into ~/.cache/kiloserve/compiled/<source hash>. See docs/simulator.md.

@@ -1,4 +1,4 @@
-"""Gateway overhead: direct-to-backend vs through ``kiloserve gateway`` (vs nginx), one run.
+"""Gateway overhead: direct vs through ``kiloserve gateway`` vs nginx and the Rust routers.
 
     .venv/bin/python benchmarks/gateway_overhead.py [--policy default] [--quick]
 
@@ -6,12 +6,14 @@ Two backends that answer instantly (a raw asyncio HTTP/1.1 server, one process e
 a non-streaming completion, or a stream of ``--chunks`` SSE chunks written
 ``--chunk-gap-ms`` apart (so each chunk is a separate read for the proxy). The load
 generator is a raw asyncio keep-alive client (cheap, so it is not the bottleneck).
-nginx (``apt-get install -y nginx``) is the in-run reference when the binary exists.
+In-run references: nginx (``apt-get install -y nginx``) when the binary exists, SGLang's
+and vLLM's Rust routers when installed (``make peer-routers``, run by ``make test``;
+``benchmarks/peer_routers.py``), with ``--peer-policy`` (default ``round_robin``); each
+line gives the gateway's CPU per request and per chunk as a ratio to that router's.
 
 Figures (all measured in this run):
-* CPU per request: CPU seconds of the proxy process (utime + stime from /proc/PID/stat)
-  over a fixed number of non-streaming requests, divided by the number of requests;
-  at moderate load (concurrency 4) and near saturation (concurrency 32).
+* CPU per request: the proxy's CPU seconds (utime + stime, /proc/PID/stat) per request,
+  non-streaming, at moderate load (concurrency 4) and near saturation (concurrency 32).
 * CPU per relayed chunk: (CPU per streamed request - CPU per plain request) / chunks.
 * added p50 / p99 latency at moderate load (closed loop, concurrency 4) vs direct.
 * max requests/s (closed loop, concurrency 64).
@@ -53,6 +55,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peer_routers import find_routers, nginx_conf, wait_ready
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 # ``python -c PROFILE_RUNNER FILE -m kiloserve gateway ...``: the gateway under
@@ -115,7 +120,13 @@ class BackendProtocol(asyncio.Protocol):
             if len(self.buf) < total:
                 return
             body, self.buf = self.buf[end + 4 : total], self.buf[total:]
-            self.respond(head.split(b" ", 2)[1], body)
+            parts = head.split(b" ", 2)
+            if len(parts) < 3 or not parts[2].startswith(b"http/1."):  # an HTTP/2 preface:
+                assert self.transport is not None  # a router probing for h2 / gRPC workers
+                self.transport.write(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+                self.transport.close()
+                return
+            self.respond(parts[1], body)
 
     def _send(self, body: bytes, ctype: bytes = b"application/json") -> None:
         assert self.transport is not None
@@ -324,39 +335,6 @@ def gateway_yaml(path: Path, port: int, backend_ports: list[int], policy: str) -
     path.write_text("\n".join(lines) + "\n")
 
 
-def nginx_conf(tmp: Path, port: int, backend_ports: list[int]) -> Path:
-    servers = "".join(f"    server 127.0.0.1:{p};\n" for p in backend_ports)
-    conf = tmp / "nginx.conf"
-    conf.write_text(
-        f"""daemon off;
-master_process off;
-worker_processes 1;
-error_log {tmp}/nginx_error.log warn;
-pid {tmp}/nginx.pid;
-events {{ worker_connections 4096; }}
-http {{
-  access_log off;
-  client_body_temp_path {tmp}/body; proxy_temp_path {tmp}/proxy;
-  fastcgi_temp_path {tmp}/fcgi; uwsgi_temp_path {tmp}/uwsgi; scgi_temp_path {tmp}/scgi;
-  upstream backends {{
-{servers}    keepalive 256;
-  }}
-  server {{
-    listen 127.0.0.1:{port};
-    keepalive_requests 1000000;
-    location / {{
-      proxy_pass http://backends;
-      proxy_http_version 1.1;
-      proxy_set_header Connection "";
-      proxy_buffering off;
-    }}
-  }}
-}}
-"""
-    )
-    return conf
-
-
 # ----------------------------------------------------------------- measurement
 @dataclass
 class Target:
@@ -394,12 +372,12 @@ def verdict(ok: bool) -> str:
 def report(results: dict[str, dict[str, float]]) -> None:
     direct = results["direct"]
     print(
-        f"\n{'target':<12}{'p50 ms':>9}{'p99 ms':>9}{'max req/s':>11}{'CPU us/req mod':>16}"
+        f"\n{'target':<14}{'p50 ms':>9}{'p99 ms':>9}{'max req/s':>11}{'CPU us/req mod':>16}"
         f"{'CPU us/req sat':>16}{'CPU us/chunk':>14}{'errors':>8}"
     )
     for name, r in results.items():
         print(
-            f"{name:<12}{r['p50_ms']:>9.3f}{r['p99_ms']:>9.3f}{r['max_rps']:>11.0f}"
+            f"{name:<14}{r['p50_ms']:>9.3f}{r['p99_ms']:>9.3f}{r['max_rps']:>11.0f}"
             f"{r.get('cpu_us_moderate', float('nan')):>16.1f}"
             f"{r.get('cpu_us_saturated', float('nan')):>16.1f}"
             f"{r.get('cpu_us_per_chunk', float('nan')):>14.2f}{r['errors']:>8.0f}"
@@ -447,14 +425,23 @@ def report(results: dict[str, dict[str, float]]) -> None:
                 f"per request {r['cpu_us_saturated']:.1f} vs {gw['cpu_us_saturated']:.1f} us "
                 f"({cpu:.2f}x, target within 10%: {verdict(cpu <= 1.10)})"
             )
-    if "nginx" in results:
-        ng = results["nginx"]
-        ratio = gw["cpu_us_saturated"] / max(ng["cpu_us_saturated"], 1e-9)
+    for name in ("nginx", "sglang-router", "vllm-router"):
+        if name not in results:
+            continue
+        ref = results[name]
+        ratio = gw["cpu_us_saturated"] / max(ref["cpu_us_saturated"], 1e-9)
+        chunk_ratio = gw["cpu_us_per_chunk"] / max(ref["cpu_us_per_chunk"], 1e-9)
         print(
-            f"nginx reference: CPU {ng['cpu_us_saturated']:.1f} us/req, "
-            f"{ng['cpu_us_per_chunk']:.2f} us/chunk, added p50 "
-            f"{ng['p50_ms'] - direct['p50_ms']:.3f} ms, {ng['max_rps']:.0f} req/s; "
-            f"gateway/nginx CPU ratio {ratio:.1f}x"
+            f"{name} reference: CPU {ref['cpu_us_saturated']:.1f} us/req, "
+            f"{ref['cpu_us_per_chunk']:.2f} us/chunk, added p50 "
+            f"{ref['p50_ms'] - direct['p50_ms']:.3f} ms, {ref['max_rps']:.0f} req/s; "
+            f"gateway/{name} CPU ratio {ratio:.2f}x per request, {chunk_ratio:.2f}x per chunk"
+        )
+    if "vllm-router" in results:  # issue 16's 100 us is the figure vllm-router reached
+        ratio = gw["cpu_us_saturated"] / max(results["vllm-router"]["cpu_us_saturated"], 1e-9)
+        print(
+            f"issue 16, same run: gateway CPU per request {ratio:.2f}x vllm-router's "
+            f"(the 100 us target is vllm-router's figure: <= 1.00x {verdict(ratio <= 1.0)})"
         )
 
 
@@ -519,6 +506,16 @@ def start_all(
         procs.append(ng)
         wait_port(ng_port)
         targets.append(Target("nginx", [ng_port], ng.pid))
+    routers, missing = find_routers(args.peers) if args.peers != [] else ([], [])
+    for line in missing:
+        print(line)
+    for router in routers:
+        port, metrics_port = free_ports(2)
+        cmd = router.command(port, metrics_port, backend_ports, args.peer_policy)
+        rp = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        procs.append(rp)
+        wait_ready(port, MODEL)
+        targets.append(Target(router.name, [port], rp.pid))
     time.sleep(0.5)  # first scrapes
     return targets
 
@@ -557,6 +554,14 @@ def main() -> int:
         help="also measure the gateway with OpenTelemetry tracing on (needs kiloserve[tracing];"
         " spans exported over OTLP/HTTP to a backend)",
     )
+    ap.add_argument(
+        "--peers",
+        type=lambda text: [n for n in text.split(",") if n],
+        default=None,
+        help="Rust routers to measure beside the gateway, comma-separated (default: every "
+        "one installed of sglang-router, vllm-router: make peer-routers); '' for none",
+    )
+    ap.add_argument("--peer-policy", default="round_robin", help="their policy (round_robin)")
     ap.add_argument("--serve-backend", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_backend:
