@@ -286,3 +286,32 @@ async def test_workers_auto_starts_one_per_usable_cpu() -> None:
             return len(_children(proc.pid)) == expected and (await _get(url + "/ready"))[0] == 200
 
         await _until(all_up)
+
+
+async def test_workers_stop_when_their_supervisor_is_killed() -> None:
+    """A supervisor killed with SIGKILL (no chance to stop its workers) leaves no worker
+    serving the port on its own: each notices its parent is gone and stops."""
+    fake = FakeBackend()
+    async with fake_backends(fake), _gateway(fake.url) as (url, proc):
+
+        async def both_up() -> bool:
+            return len(_children(proc.pid)) == 2 and (await _get(url + "/ready"))[0] == 200
+
+        await _until(both_up)
+        workers = _children(proc.pid)
+        proc.kill()
+        await proc.wait()
+
+        def alive(pid: int) -> bool:  # a zombie (exited, not yet reaped by init) is gone
+            with contextlib.suppress(OSError):
+                return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+            return False
+
+        async def gone() -> bool:
+            return not any(alive(w) for w in workers)
+
+        await _until(gone, timeout_s=15.0)
+        port = int(url.rsplit(":", 1)[1])
+        with pytest.raises(OSError):  # nobody listens on the port any more
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()

@@ -31,7 +31,8 @@ from kiloserve.gateway.config import (
 )
 from kiloserve.gateway.loop import LoopError, loop_factory
 from kiloserve.gateway.reload import RELOAD_KEY, install_signal
-from kiloserve.gateway.workers import attach_worker, run_workers
+from kiloserve.gateway.tasks import stop_tasks
+from kiloserve.gateway.workers import attach_worker, run_workers, watch_supervisor
 from kiloserve.routing.shared_load import SharedLoad
 
 __all__ = ["add_arguments", "build_config", "reload_args", "run", "serve"]
@@ -109,8 +110,10 @@ async def serve(
     shared: SharedLoad | None = None,
     worker: int | None = None,
     source: Callable[[], GatewayConfig] | None = None,
+    supervisor: int | None = None,
 ) -> None:
-    """Serve until ``stop`` is set (or SIGINT / SIGTERM).
+    """Serve until ``stop`` is set (or SIGINT / SIGTERM, or, in a worker, until its
+    ``supervisor`` process is gone: ``workers.watch_supervisor``).
 
     ``worker``: this process is worker ``worker`` of ``kiloserve gateway --workers N``
     (gateway/workers.py): it binds the port with SO_REUSEPORT beside its peers and
@@ -134,6 +137,7 @@ async def serve(
     if worker is not None:  # POST /admin/reload: the supervisor reloads every worker
         reloader.fan_out = lambda: os.kill(os.getppid(), signal.SIGHUP)
     install_signal(loop, reloader)
+    watch = None if supervisor is None else asyncio.create_task(watch_supervisor(supervisor, stop))
     runner = make_runner(app, cfg, shutdown_timeout=cfg.shutdown_grace_s)
     await runner.setup()
     try:
@@ -152,6 +156,8 @@ async def serve(
         await stop.wait()
         logger.info("stopping: in-flight requests get up to %.0f s", cfg.shutdown_grace_s)
     finally:
+        if watch is not None:
+            await stop_tasks([watch])
         await runner.cleanup()
 
 
@@ -161,12 +167,13 @@ def run_one(
     shared: SharedLoad | None = None,
     worker: int | None = None,
     source: Callable[[], GatewayConfig] | None = None,
+    supervisor: int | None = None,
 ) -> None:
     """Serve ``cfg`` in this process on the configured event loop (gateway/loop.py)."""
     factory, name = loop_factory(cfg.event_loop)
     logger.info("event loop: %s", name)
     with asyncio.Runner(loop_factory=factory) as runner:
-        runner.run(serve(cfg, shared=shared, worker=worker, source=source))
+        runner.run(serve(cfg, shared=shared, worker=worker, source=source, supervisor=supervisor))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -16,7 +16,10 @@ placed.
 The supervisor prints one ``kiloserve gateway listening on URL (N workers)`` line once
 every worker listens, forwards the workers' other output, restarts a worker that dies
 (the new one first retires what the dead one still counted), and on SIGINT / SIGTERM
-stops them all (each gets ``shutdown_grace_s`` for its in-flight requests). On SIGHUP
+stops them all (each gets ``shutdown_grace_s`` for its in-flight requests). A worker
+whose supervisor is gone (killed with SIGKILL, say) stops the same way within
+``SUPERVISOR_CHECK_S``: it never keeps the port on its own, beside a new supervisor's
+workers, with a view nobody else shares (``watch_supervisor``). On SIGHUP
 (sent by an operator, or by a worker answering ``POST /admin/reload``) it reads the
 config file again and, when it is valid and changes nothing that needs a restart,
 sends SIGHUP to every worker, each of which reloads the same file
@@ -26,6 +29,7 @@ sends SIGHUP to every worker, each of which reloads the same file
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import logging
@@ -71,6 +75,7 @@ logger = logging.getLogger(__name__)
 _READY = " listening on "
 _RESTART_LIMIT = 5  # restarts within _RESTART_WINDOW_S before the supervisor gives up
 _RESTART_WINDOW_S = 60.0
+SUPERVISOR_CHECK_S = 0.5  # how often a worker checks that its supervisor still lives
 
 
 def _reserve_port(host: str) -> socket.socket:
@@ -138,6 +143,7 @@ def run_workers(
         "lock": lock_path,
         "log_level": level,
         "reload": {**reload, "port": port} if reload else None,
+        "supervisor": os.getpid(),
     }
     workers: list[_Worker] = []
     try:
@@ -266,6 +272,19 @@ def attach_worker(
         flow.admission.share = queues
 
 
+async def watch_supervisor(
+    pid: int, stop: asyncio.Event, interval_s: float = SUPERVISOR_CHECK_S
+) -> None:
+    """Set ``stop`` once process ``pid`` (the supervisor that started this worker) is no
+    longer its parent: it died, by SIGKILL too, and this worker is an orphan."""
+    while not stop.is_set():
+        if os.getppid() != pid:
+            logger.warning("the supervisor (pid %d) is gone: this worker stops", pid)
+            stop.set()
+            return
+        await asyncio.sleep(interval_s)
+
+
 def worker_main() -> int:
     """A worker: its settings as JSON on stdin (written by ``run_workers``)."""
     spec = json.loads(sys.stdin.read())
@@ -285,7 +304,14 @@ def worker_main() -> int:
     if retired:
         logger.info("retired the in-flight counts a dead worker left on %d backends", retired)
     try:
-        run_one(cfg, shared=shared, worker=index, source=source)
+        supervisor = spec.get("supervisor")
+        run_one(
+            cfg,
+            shared=shared,
+            worker=index,
+            source=source,
+            supervisor=int(supervisor) if isinstance(supervisor, int) else None,
+        )
     finally:
         shared.close()
         lock.close()
