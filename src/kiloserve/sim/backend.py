@@ -22,6 +22,7 @@ from kiloserve.engine.core import EngineCore, StepResult, StepTimer
 from kiloserve.engine.transfer import KvLink
 from kiloserve.sim.kvevents import SimKvEvents, SimKvSink
 from kiloserve.sim.request import SimRequest
+from kiloserve.sim.sequence import SimSequence
 
 __all__ = ["BackendModel", "SimBackend"]
 
@@ -106,6 +107,8 @@ class SimBackend:
         core, seq = self.core, request.seq
         if core is None or seq is None:
             raise RuntimeError("add on a dead backend or without a sequence")  # a sim bug
+        if core.scheduler.block_manager.tiers is not None and isinstance(seq, SimSequence):
+            seq.keep_runs_shared()  # its own evicted runs must reach the tiers (sequence.py)
         core.add(seq)
         self._touch()
         self.requests[seq.seq_id] = request

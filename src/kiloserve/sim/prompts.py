@@ -27,6 +27,7 @@ not vocabulary ids.
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
@@ -67,6 +68,12 @@ class Prompt(NamedTuple):
     ``RUN_TOKENS`` ids (the last one may be shorter), run ``r`` the text whose 64-bit
     key hash is ``run_keys[r]`` (``IdPool.hashed_run_ids``), so equal keys mean equal
     ids; ``SimSequence`` hashes those runs' full blocks from the keys.
+
+    ``private_from`` (Mooncake prompts): the first keyed run whose hash id no other
+    row of the trace lists, in tokens (None: none). Hash ids name whole prefixes, so
+    from that run on the prompt's text is its own; the simulated engine keeps those
+    blocks out of its prefix index as it does the unique tail's (``SimSequence``),
+    while their hashes stay the keyed runs' (what the gateway sees is unchanged).
     """
 
     token_ids: list[int]
@@ -74,6 +81,7 @@ class Prompt(NamedTuple):
     unique_key: int = 0
     run_keys: tuple[int, ...] = ()
     run_tokens: int = 0
+    private_from: int | None = None
 
 
 class IdPool:
@@ -133,6 +141,7 @@ class PromptIds:
         self._num_turns = 0
         self._system_tokens = 0
         self._hash_ids: Mapping[int, tuple[int, ...]] = {}
+        self._num_rows: Counter[int] = Counter()
         self._keys: dict[int, int] = {}  # hash id -> its run's key hash, for one pass:
         self._keys_pass = 0  # this one
         self._sessions: dict[str, tuple[list[int], int]] = {}
@@ -154,6 +163,8 @@ class PromptIds:
         elif parsed.kind == "mooncake":
             rows = read_trace("mooncake", traces_dir)
             self._hash_ids = {i: r.hash_ids for i, r in enumerate(rows) if r.hash_ids}
+            # rows listing each hash id (a pass replays every row once, with its own keys)
+            self._num_rows = Counter(h for ids in self._hash_ids.values() for h in set(ids))
 
     def token_ids(self, spec: RequestSpec) -> list[int]:
         """The prompt's ids (exactly ``spec.input_tokens`` of them)."""
@@ -166,14 +177,15 @@ class PromptIds:
             return Prompt(self._session_ids(spec, num_tokens))
         ids: list[int] = []
         run_keys: tuple[int, ...] = ()
+        private_from = None
         if spec.prefix_group is not None:
             if self._kind == "mooncake":
-                ids, run_keys = self._mooncake_ids(spec, num_tokens)
+                ids, run_keys, private_from = self._mooncake_ids(spec, num_tokens)
             elif self._prefix_tokens and spec.prefix_group.startswith("group-"):
                 head = min(self._prefix_tokens, num_tokens)
                 ids = self.run_ids(f"g/{self._seed}/{spec.prefix_group}", head)
         if len(ids) >= num_tokens:
-            return Prompt(ids, None, 0, run_keys, len(ids) if run_keys else 0)
+            return Prompt(ids, None, 0, run_keys, len(ids) if run_keys else 0, private_from)
         key_hash = _key_hash(self._unique_name(spec.request_id))
         unique_from = len(ids)
         tail = self._pool.hashed_run_ids(key_hash, num_tokens - unique_from)
@@ -182,7 +194,8 @@ class PromptIds:
         else:
             ids = tail
         unique_key = key_hash >> UNIQUE_INDEX_BITS << UNIQUE_INDEX_BITS
-        return Prompt(ids, unique_from, unique_key, run_keys, unique_from if run_keys else 0)
+        run_tokens = unique_from if run_keys else 0
+        return Prompt(ids, unique_from, unique_key, run_keys, run_tokens, private_from)
 
     def _unique_name(self, request_id: str) -> str:
         return f"u/{self._seed}/{request_id}"
@@ -192,8 +205,9 @@ class PromptIds:
 
     def _mooncake_ids(
         self, spec: RequestSpec, num_tokens: int
-    ) -> tuple[list[int], tuple[int, ...]]:
-        """The ids of the prompt's hash-id runs, and the runs' key hashes.
+    ) -> tuple[list[int], tuple[int, ...], int | None]:
+        """The ids of the prompt's hash-id runs, the runs' key hashes and where the first
+        run of a hash id no other row lists starts (``Prompt.private_from``).
 
         A run is ``IdPool.hashed_run_ids`` of its key, written out here: its first id,
         then pool ids from the key's offset on. Keys are cached per hash id for the
@@ -212,9 +226,13 @@ class PromptIds:
         ids: list[int] = []
         keys: list[int] = []
         left = num_tokens
+        num_rows = self._num_rows
+        private_from = None
         for h in hash_ids:
             if left <= 0:
                 break
+            if private_from is None and num_rows[h] == 1:
+                private_from = len(ids)
             key = cache.get(h)
             if key is None:
                 key = cache[h] = _key_hash(f"m/{h}" if k == 0 else f"m/{h}/r{k}")
@@ -227,7 +245,7 @@ class PromptIds:
                 start = (key >> 32) % half
                 ids += pool[start : start + rest]
             left -= rest + 1
-        return ids, tuple(keys)
+        return ids, tuple(keys), private_from
 
     def _session_ids(self, spec: RequestSpec, num_tokens: int) -> list[int]:
         session = spec.session_id or ""

@@ -57,7 +57,7 @@ class SimSequence(Sequence):
     """A ``Sequence`` with tuple-hash chains, key hashes for keyed runs and index
     hashes for unique text."""
 
-    __slots__ = ("run_keys", "run_tokens", "unique_from", "unique_key")
+    __slots__ = ("run_keys", "run_tokens", "tail_private_block", "unique_from", "unique_key")
 
     def __init__(
         self,
@@ -71,6 +71,7 @@ class SimSequence(Sequence):
         unique_from: int = 0,
         run_keys: tuple[int, ...] = (),
         run_tokens: int = 0,
+        private_from: int | None = None,
     ) -> None:
         self.unique_key = unique_key  # set: tokens from unique_from on are this prompt's own
         self.unique_from = unique_from
@@ -78,6 +79,11 @@ class SimSequence(Sequence):
         self.run_keys = run_keys if RUN_TOKENS % block_size == 0 else ()
         self.run_tokens = run_tokens
         private = None if unique_key is None else unique_from // block_size
+        self.tail_private_block = private  # where the unique tail's blocks start
+        if private_from is not None and self.run_keys and private_from % block_size == 0:
+            # a keyed run only this prompt has: private from there (its hashes stay)
+            own = private_from // block_size
+            private = own if private is None else min(private, own)
         super().__init__(
             seq_id,
             prompt_token_ids,
@@ -86,6 +92,13 @@ class SimSequence(Sequence):
             block_size=block_size,
             private_from_block=private,  # the engine keeps these blocks out of its index
         )
+
+    def keep_runs_shared(self) -> None:
+        """Treat the keyed runs only this prompt has as shared blocks after all (an
+        engine with KV tiers: its evicted blocks go to the tiers, where a preempted
+        sequence finds its own again; private blocks are never tiered), so only the
+        unique tail stays private."""
+        self.private_from_block = self.tail_private_block
 
     def append_output_token(self) -> None:
         if self.unique_key is None:

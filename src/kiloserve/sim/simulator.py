@@ -545,4 +545,5 @@ def _new_sequence(seq_id: str, prompt: Prompt, max_tokens: int, now_s: float) ->
         unique_from=prompt.unique_from or 0,
         run_keys=prompt.run_keys,
         run_tokens=prompt.run_tokens,
+        private_from=prompt.private_from,
     )

@@ -14,6 +14,7 @@ from kiloserve.workload.prompts import BLOCK_TOKENS
 from kiloserve.workload.traces import PACKAGED_TRACES_DIR
 
 TRACES = PACKAGED_TRACES_DIR
+MooncakeIds = tuple[list[int], tuple[int, ...], int | None]
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -89,12 +90,16 @@ def test_a_mooncake_run_is_the_same_with_and_without_keyed_runs(
         assert summary["prefix_cache"]["hits_tokens"] > 0
         return without_wall_clock(summary)
 
-    keyed = run()
     mooncake_ids = PromptIds._mooncake_ids
 
-    def unkeyed(self: PromptIds, spec: RequestSpec, n: int) -> tuple[list[int], tuple[int, ...]]:
-        return mooncake_ids(self, spec, n)[0], ()
+    def keyed_shared(self: PromptIds, spec: RequestSpec, n: int) -> MooncakeIds:
+        return *mooncake_ids(self, spec, n)[:2], None  # no private runs (next test)
 
+    def unkeyed(self: PromptIds, spec: RequestSpec, n: int) -> MooncakeIds:
+        return mooncake_ids(self, spec, n)[0], (), None
+
+    monkeypatch.setattr(PromptIds, "_mooncake_ids", keyed_shared)
+    keyed = run()
     monkeypatch.setattr(PromptIds, "_mooncake_ids", unkeyed)
     assert run() == keyed
 
