@@ -293,3 +293,34 @@ async def test_the_dashboard_answers_for_every_worker() -> None:
                 assert status == 200 and isinstance(doc, dict)
                 own[worker] = doc["decisions"]["num_buffered"]
             assert own == {a: 3, b: 2}
+
+
+async def test_worker_0_probes_for_every_worker(tmp_path: Path) -> None:
+    """The backends get one worker's health probes, not one set per worker (worker 0
+    probes while it lives, as it scrapes); a backend its probes find failing is held
+    out by the other worker too. Before, every worker probed every backend."""
+    interval_s, watch_s = 0.2, 3.0
+    conf = tmp_path / "gw.yaml"
+    conf.write_text(
+        f"health: {{interval_s: {interval_s}, jitter: 0, completion_probe: true}}\n"
+        "backends:\n"
+        "  - {name: good, url: GOOD, models: [m]}\n"
+        "  - {name: bad, url: BAD, models: [m]}\n"
+    )
+    good, bad = FakeBackend(), FakeBackend(mode="500")
+    async with fake_backends(good, bad):
+        text = conf.read_text().replace("GOOD", good.url).replace("BAD", bad.url)
+        conf.write_text(text)
+        async with _workers("-c", str(conf)) as (url, proc):
+            a, b = await _private_urls(url, proc.pid)
+
+            async def held_out_by_both() -> bool:
+                reasons = [await _reasons(u, "bad") for u in (a, b)]
+                return sorted(map(str, reasons)) == ["['probe (another worker)']", "['probe']"]
+
+            await _until(held_out_by_both, timeout_s=10.0)
+            before = good.num_probes
+            await asyncio.sleep(watch_s)
+            num_probes = good.num_probes - before
+    one_worker = watch_s / interval_s  # probes of one worker in the time (at most)
+    assert 0 < num_probes <= 1.5 * one_worker, num_probes

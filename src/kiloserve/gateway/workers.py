@@ -41,6 +41,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
@@ -257,6 +258,9 @@ def attach_worker(
     verdicts = SharedVerdicts(shared)
     verdicts.clear()  # a dead predecessor's verdicts stop counting
     app[RESILIENCE_KEY].share = verdicts
+    if worker != 0:  # worker 0 probes for all while it lives (as it scrapes for all)
+        max_age_s = 2 * cfg.scrape_interval_s + cfg.scrape_timeout_s
+        app[RESILIENCE_KEY].probed_elsewhere = _scraped_lately(shared, max_age_s)
     router = app[CTX_KEY].router
     prefixes = SharedPrefixes(shared)
     router.before_decide = lambda: prefixes.pull(router.policy)
@@ -270,6 +274,18 @@ def attach_worker(
         queues = SharedQueues(shared, cfg.admission.max_queue_wait_s)
         queues.clear()  # a dead predecessor's queue heads stop counting
         flow.admission.share = queues
+
+
+def _scraped_lately(shared: SharedLoad, max_age_s: float) -> Callable[[str], bool]:
+    """Whether worker 0 published a scrape of the backend in the last ``max_age_s``:
+    it is alive, so it probes the backend too (its verdicts reach every worker); a
+    worker probes for itself only while worker 0 is silent (restarting)."""
+
+    def fresh(backend_id: str) -> bool:
+        got = shared.get_scrape(backend_id)
+        return got is not None and time.monotonic() - got[1] <= max_age_s
+
+    return fresh
 
 
 async def watch_supervisor(

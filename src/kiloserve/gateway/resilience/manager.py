@@ -30,7 +30,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import aiohttp
@@ -81,6 +81,9 @@ class Resilience:
         self._task: asyncio.Task[None] | None = None
         # the sibling workers' verdicts (gateway/workers.py sets it); None: one process
         self.share: SharedVerdicts | None = None
+        # --workers N, a worker other than 0: True for a backend worker 0 probes now
+        # (gateway/workers.py sets it), so the backends get one worker's probes, not N
+        self.probed_elsewhere: Callable[[str], bool] | None = None
         self._peer_factor: dict[str, float] = {}
         router.admit = self.admit
         router.completion_listeners.append(self.on_complete)
@@ -270,6 +273,7 @@ class Resilience:
         if self.cfg.health.enabled:
             self._prober = Prober(self.cfg.health, session, self._target, self._on_probe, rng)
             self._prober.tracker = self.probes
+            self._prober.skip = self.probed_elsewhere
         self._task = asyncio.create_task(self._run())
 
     async def close(self) -> None:

@@ -97,6 +97,9 @@ class Prober:
         self._on_probe = on_probe
         self._rng = rng
         self._loops: dict[str, asyncio.Task[None]] = {}
+        # --workers N: True while another worker probes this backend for us (worker 0;
+        # its verdicts reach this one through the segment: routing/shared_verdicts.py)
+        self.skip: Callable[[str], bool] | None = None
 
     def reconcile(self, backend_ids: set[str]) -> None:
         if not self.cfg.enabled:
@@ -121,6 +124,9 @@ class Prober:
             target = self._target(backend_id)
             if target is None:
                 return
+            if self.skip is not None and self.skip(backend_id):
+                await asyncio.sleep(self._delay_s(backend_id))
+                continue
             why = await probe_once(self._session, target[0], self.cfg, target[1])
             self._on_probe(backend_id, not why, why, started)
             await asyncio.sleep(max(0.0, self._delay_s(backend_id) - (time.monotonic() - started)))
