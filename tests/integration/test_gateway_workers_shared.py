@@ -111,39 +111,52 @@ async def _reasons(url: str, name: str) -> list[str] | None:
     return None if row["healthy"] else list(row["unhealthy_reasons"])
 
 
-async def test_a_backend_one_worker_ejects_is_held_out_by_every_worker(tmp_path: Path) -> None:
+@contextlib.asynccontextmanager
+async def _good_and_bad(
+    tmp_path: Path, settings: str, order: tuple[str, str], *args: str
+) -> AsyncIterator[tuple[str, str, FakeBackend, FakeBackend]]:
+    """Two workers (``settings`` YAML, then ``args``) in front of a healthy fake backend
+    ``good`` and one that answers 500, ``bad``, listed in ``order``: yields each
+    worker's private URL and the two fakes."""
     conf = tmp_path / "gw.yaml"
-    conf.write_text(
+    rows = "".join(f"  - {{name: {name}, url: {name.upper()}, models: [m]}}\n" for name in order)
+    good, bad = FakeBackend(), FakeBackend(mode="500")
+    async with fake_backends(good, bad):
+        conf.write_text(
+            settings + "backends:\n" + rows.replace("GOOD", good.url).replace("BAD", bad.url)
+        )
+        async with _workers("-c", str(conf), *args) as (url, proc):
+            a, b = await _private_urls(url, proc.pid)
+            yield a, b, good, bad
+
+
+async def test_a_backend_one_worker_ejects_is_held_out_by_every_worker(tmp_path: Path) -> None:
+    settings = (
         "health: {enabled: false}\n"
         "outlier: {consecutive_gateway_failures: 2, base_ejection_time_s: 120,"
         " max_ejection_percent: 100}\n"
-        "backends:\n"
-        # first: least_request sends it every request while in-flight counts tie
-        "  - {name: bad, url: BAD, models: [m]}\n"
-        "  - {name: good, url: GOOD, models: [m]}\n"
     )
-    good, bad = FakeBackend(), FakeBackend(mode="500")
-    async with fake_backends(good, bad):
-        text = conf.read_text().replace("GOOD", good.url).replace("BAD", bad.url)
-        conf.write_text(text)
-        async with _workers("-c", str(conf), "--policy", "least_request") as (url, proc):
-            a, b = await _private_urls(url, proc.pid)
-            # worker A meets the failures (its retries answer the client from "good")
-            for _ in range(30):
-                assert await _post(a) == 200
-                if await _reasons(a, "bad") == ["ejected"]:
-                    break
-            assert await _reasons(a, "bad") == ["ejected"], (len(bad.bodies), len(good.bodies))
-            sent_to_bad = len(bad.bodies)
+    # bad first: least_request sends it every request while in-flight counts tie
+    order = ("bad", "good")
+    async with _good_and_bad(tmp_path, settings, order, "--policy", "least_request") as (
+        a, b, good, bad,
+    ):  # fmt: skip
+        # worker A meets the failures (its retries answer the client from "good")
+        for _ in range(30):
+            assert await _post(a) == 200
+            if await _reasons(a, "bad") == ["ejected"]:
+                break
+        assert await _reasons(a, "bad") == ["ejected"], (len(bad.bodies), len(good.bodies))
+        sent_to_bad = len(bad.bodies)
 
-            async def held_out_by_b() -> bool:
-                return await _reasons(b, "bad") == ["ejected (another worker)"]
+        async def held_out_by_b() -> bool:
+            return await _reasons(b, "bad") == ["ejected (another worker)"]
 
-            await _until(held_out_by_b, timeout_s=5.0)
-            for _ in range(10):
-                assert await _post(b) == 200
-            assert len(bad.bodies) == sent_to_bad  # worker B sent it nothing
-            assert len(good.bodies) >= 10
+        await _until(held_out_by_b, timeout_s=5.0)
+        for _ in range(10):
+            assert await _post(b) == 200
+        assert len(bad.bodies) == sent_to_bad  # worker B sent it nothing
+        assert len(good.bodies) >= 10
 
 
 async def _complete(url: str, prompt: str) -> tuple[str, int]:
@@ -300,27 +313,16 @@ async def test_worker_0_probes_for_every_worker(tmp_path: Path) -> None:
     probes while it lives, as it scrapes); a backend its probes find failing is held
     out by the other worker too. Before, every worker probed every backend."""
     interval_s, watch_s = 0.2, 3.0
-    conf = tmp_path / "gw.yaml"
-    conf.write_text(
-        f"health: {{interval_s: {interval_s}, jitter: 0, completion_probe: true}}\n"
-        "backends:\n"
-        "  - {name: good, url: GOOD, models: [m]}\n"
-        "  - {name: bad, url: BAD, models: [m]}\n"
-    )
-    good, bad = FakeBackend(), FakeBackend(mode="500")
-    async with fake_backends(good, bad):
-        text = conf.read_text().replace("GOOD", good.url).replace("BAD", bad.url)
-        conf.write_text(text)
-        async with _workers("-c", str(conf)) as (url, proc):
-            a, b = await _private_urls(url, proc.pid)
+    settings = f"health: {{interval_s: {interval_s}, jitter: 0, completion_probe: true}}\n"
+    async with _good_and_bad(tmp_path, settings, ("good", "bad")) as (a, b, good, _):
 
-            async def held_out_by_both() -> bool:
-                reasons = [await _reasons(u, "bad") for u in (a, b)]
-                return sorted(map(str, reasons)) == ["['probe (another worker)']", "['probe']"]
+        async def held_out_by_both() -> bool:
+            reasons = [await _reasons(u, "bad") for u in (a, b)]
+            return sorted(map(str, reasons)) == ["['probe (another worker)']", "['probe']"]
 
-            await _until(held_out_by_both, timeout_s=10.0)
-            before = good.num_probes
-            await asyncio.sleep(watch_s)
-            num_probes = good.num_probes - before
+        await _until(held_out_by_both, timeout_s=10.0)
+        before = good.num_probes
+        await asyncio.sleep(watch_s)
+        num_probes = good.num_probes - before
     one_worker = watch_s / interval_s  # probes of one worker in the time (at most)
     assert 0 < num_probes <= 1.5 * one_worker, num_probes
