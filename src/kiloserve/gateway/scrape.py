@@ -36,7 +36,7 @@ from kiloserve.routing.shared_load import (
 )
 from kiloserve.routing.table import BackendTable
 
-__all__ = ["scrape_loop"]
+__all__ = ["follow_age_s", "scrape_loop"]
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +104,12 @@ async def _scrape_node(
     table.record_node(backend_id, node, [] if node is None else node_problems(node))
 
 
+def follow_age_s(interval_s: float, timeout_s: float) -> float:
+    """How old worker 0's published scrape of a backend may be before another worker
+    stops relying on it (its scrapes, and its probes: gateway/workers.py)."""
+    return 2 * interval_s + timeout_s
+
+
 class _Follower:
     """A worker that is not the scraper: applies worker 0's published scrapes."""
 
@@ -154,7 +160,7 @@ async def scrape_loop(
     them (module doc).
     """
     follower = (
-        _Follower(share, 2 * interval_s + timeout_s)
+        _Follower(share, follow_age_s(interval_s, timeout_s))
         if share is not None and not is_scraper
         else None
     )

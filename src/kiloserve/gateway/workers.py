@@ -64,6 +64,7 @@ from kiloserve.gateway.lora import LORA_KEY
 from kiloserve.gateway.lora_shared import SharedLora
 from kiloserve.gateway.peers import PEERS_KEY
 from kiloserve.gateway.reload import restart_fields
+from kiloserve.gateway.scrape import follow_age_s
 from kiloserve.gateway.worker_metrics import WorkerMetrics
 from kiloserve.routing.shared_load import FileLock, LoadLayout, SharedLoad
 from kiloserve.routing.shared_prefixes import SharedPrefixes
@@ -259,7 +260,7 @@ def attach_worker(
     verdicts.clear()  # a dead predecessor's verdicts stop counting
     app[RESILIENCE_KEY].share = verdicts
     if worker != 0:  # worker 0 probes for all while it lives (as it scrapes for all)
-        max_age_s = 2 * cfg.scrape_interval_s + cfg.scrape_timeout_s
+        max_age_s = follow_age_s(cfg.scrape_interval_s, cfg.scrape_timeout_s)
         app[RESILIENCE_KEY].probed_elsewhere = _scraped_lately(shared, max_age_s)
     router = app[CTX_KEY].router
     prefixes = SharedPrefixes(shared)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_sim_run_hashes import MooncakeIds
 
 from kiloserve.sim.prompts import PromptIds
 from kiloserve.sim.sequence import SimSequence
@@ -17,7 +18,6 @@ from kiloserve.workload.traces import PACKAGED_TRACES_DIR
 
 TRACES = PACKAGED_TRACES_DIR
 ROOT = Path(__file__).resolve().parents[3]
-MooncakeIds = tuple[list[int], tuple[int, ...], int | None]
 
 pytestmark = pytest.mark.skipif(not TRACES.is_dir(), reason="shipped traces not present")
 
