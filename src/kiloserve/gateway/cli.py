@@ -137,9 +137,9 @@ async def serve(
     if worker is not None:  # POST /admin/reload: the supervisor reloads every worker
         reloader.fan_out = lambda: os.kill(os.getppid(), signal.SIGHUP)
     install_signal(loop, reloader)
-    watch = None if supervisor is None else asyncio.create_task(watch_supervisor(supervisor, stop))
     runner = make_runner(app, cfg, shutdown_timeout=cfg.shutdown_grace_s)
     await runner.setup()
+    watch = None if supervisor is None else asyncio.create_task(watch_supervisor(supervisor, stop))
     try:
         reuse = True if worker is not None else None  # SO_REUSEPORT beside the peers
         site = web.TCPSite(runner, cfg.host, cfg.port, reuse_port=reuse)
