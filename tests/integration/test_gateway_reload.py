@@ -23,7 +23,7 @@ from aiohttp import web
 from test_gateway_fakes import FakeBackend, fake_backends, gateway_process, wait_until_ready
 
 from kiloserve.gateway.app import create_gateway_app
-from kiloserve.gateway.config import load_gateway_config
+from kiloserve.gateway.config import auto_workers, load_gateway_config
 from kiloserve.gateway.reload import RELOAD_KEY
 
 JSON = {"Content-Type": "application/json"}
@@ -169,7 +169,8 @@ async def test_a_bad_reload_answers_400_and_changes_nothing(tmp_path: Path) -> N
             for code, text in bad.items():
                 path.write_text(text)
                 if not text:
-                    _write(path, [_backend(fake, "b0")], port=9, workers=2)
+                    # (not the default's count: ``workers`` is ``auto`` unless given)
+                    _write(path, [_backend(fake, "b0")], port=9, workers=auto_workers() + 1)
                 status, body = await _post(url, "/admin/reload")
                 assert status == 400, body
                 assert body["error"]["type"] == "invalid_request_error"
@@ -203,7 +204,7 @@ async def test_sighup_reloads_a_gateway_process(tmp_path: Path) -> None:
     path = tmp_path / "gw.yaml"
     async with fake_backends(FakeBackend(), FakeBackend()) as (a, b):
         _write(path, [_backend(a, "a")])
-        async with gateway_process("-c", str(path)) as (line, proc):
+        async with gateway_process("-c", str(path), "--workers", "1") as (line, proc):
             url = line.split(" listening on ", 1)[1].split()[0]
             await wait_until_ready(url)
             _write(path, [_backend(a, "a"), _backend(b, "b")])

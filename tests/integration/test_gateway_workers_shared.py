@@ -61,7 +61,7 @@ async def _workers(*args: str) -> AsyncIterator[tuple[str, asyncio.subprocess.Pr
     try:
         assert proc.stdout is not None
         line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
-        assert line.endswith("(2 workers)\n"), line
+        assert line.startswith("kiloserve gateway listening on http://"), line
         yield line.split(" listening on ", 1)[1].split()[0], proc
     finally:
         if proc.returncode is None:

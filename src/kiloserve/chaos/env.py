@@ -167,12 +167,19 @@ class DrillEnv:
         return str(await self._http("GET", self.gateway_url + "/metrics"))
 
     async def metric(self, prefix: str) -> float:
+        """The sum of the series whose line starts with ``prefix`` (counters: the
+        gateway's whole count)."""
+        return sum(await self.metric_values(prefix))
+
+    async def metric_values(self, prefix: str) -> list[float]:
+        """Each series whose line starts with ``prefix``: a gauge of a gateway with
+        several workers has one per worker (a ``worker`` label)."""
         text = await self.metrics_text()
-        return sum(
+        return [
             float(line.rsplit(" ", 1)[1])
             for line in str(text).splitlines()
             if line.startswith(prefix)
-        )
+        ]
 
     async def close(self) -> None:
         if self.session is not None:

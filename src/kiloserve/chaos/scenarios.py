@@ -77,11 +77,15 @@ async def _all_back(env: DrillEnv, victim: str) -> bool:
 
 
 async def _registry_down(env: DrillEnv, victim: str) -> bool:
-    return await env.metric("kiloserve_gateway_registry_up") == 0.0
+    """Every worker of the gateway sees the registry down (one series per worker)."""
+    up = await env.metric_values("kiloserve_gateway_registry_up")
+    return bool(up) and max(up) == 0.0
 
 
 async def _registry_up(env: DrillEnv, victim: str) -> bool:
-    return await env.metric("kiloserve_gateway_registry_up") == 1.0
+    """Every worker of the gateway sees it up again."""
+    up = await env.metric_values("kiloserve_gateway_registry_up")
+    return bool(up) and min(up) == 1.0
 
 
 async def _twin_fault(

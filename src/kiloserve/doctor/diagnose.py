@@ -192,7 +192,9 @@ def gateway_counts(text: str) -> dict[str, Any]:
             if labels.get("status", "").startswith("5"):
                 errors[backend] = errors.get(backend, 0.0) + value
         elif name in ("kiloserve_gateway_backend_ejected", "kiloserve_gateway_backend_demoted"):
-            flags.setdefault(backend, {})[name.rsplit("_", 1)[1]] = value > 0
+            # one series per worker (``--workers N``): set when any worker says so
+            flag, key = flags.setdefault(backend, {}), name.rsplit("_", 1)[1]
+            flag[key] = flag.get(key, False) or value > 0
         elif name == "kiloserve_gateway_outlier_ejections_total" and backend:
             ejections[backend] = ejections.get(backend, 0.0) + value
         elif name == "kiloserve_gateway_queue_depth":

@@ -47,6 +47,7 @@ __all__ = [
     "GatewayConfig",
     "ModelConfig",
     "PolicyConfig",
+    "auto_workers",
     "load_gateway_config",
     "parse_gateway_config",
     "resolve_workers",
@@ -89,7 +90,12 @@ class ModelConfig(_Strict):
 def resolve_workers(value: object) -> object:
     """``workers: auto`` -> one per usable CPU (``kiloserve.cpus.usable_cpus``, at most
     256); anything else as it is (validated as a number by the model)."""
-    return min(256, usable_cpus()) if value == "auto" else value
+    return auto_workers() if value == "auto" else value
+
+
+def auto_workers() -> int:
+    """What ``workers: auto`` (the default) gives: one per usable CPU, at most 256."""
+    return min(256, usable_cpus())
 
 
 class GatewayConfig(_Strict):
@@ -164,7 +170,8 @@ class GatewayConfig(_Strict):
     event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
     # processes serving the port (SO_REUSEPORT) with one shared in-flight view
     # (gateway/workers.py, docs/gateway.md "Workers"); "auto": one per usable CPU
-    # (the cores this process may run on, capped by its container's CPU limit)
+    # (the cores this process may run on, capped by its container's CPU limit);
+    # 1 (the default): one process, no supervisor
     workers: int = Field(default=1, ge=1, le=256)
 
     @field_validator("workers", mode="before")

@@ -8,9 +8,14 @@ them with its own:
 
 * counters, histograms and summaries are summed per label set (so ``rate()`` and
   ``histogram_quantile()`` see the gateway), with the ``_created`` samples dropped;
-* gauges (and untyped samples) keep one series per worker with a ``worker`` label
-  (queue depth, process memory and the backend gauges each worker reads for itself:
-  aggregate them as fits, e.g. ``sum by (model)`` or ``max by (backend)``).
+* the backend gauges read from the shared view (``ONE_VIEW``: in-flight requests,
+  health, drains, weights, scrape age and the engines' prefix-cache counters, which
+  every worker holds for the whole gateway) appear once, as the answering worker
+  sees them, with no ``worker`` label: summed over workers they would count the
+  gateway's in-flight requests N times (an autoscaler on their sum, say);
+* other gauges (and untyped samples) keep one series per worker with a ``worker``
+  label (queue depth, process memory, the registry watch each worker keeps:
+  aggregate them as fits, e.g. ``sum by (model)`` or ``min``).
 
 A sibling that does not answer within ``timeout_s`` is left out of that scrape (and the
 page says so in ``kiloserve_gateway_worker_scrape_errors``).
@@ -26,9 +31,19 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["WorkerMetrics", "merge_pages"]
+__all__ = ["ONE_VIEW", "WorkerMetrics", "merge_pages"]
 
 _SUMMED = {"counter", "histogram", "summary", "gaugehistogram"}
+_P = "kiloserve_gateway_"
+# gauges every worker reads from the shared view (gateway/metrics.py, _TableCollector)
+ONE_VIEW = frozenset(
+    _P + name
+    for name in (
+        "in_flight", "backend_healthy", "backend_draining", "backend_effective_weight",
+        "scrape_stale", "scrape_age_seconds", "backend_prefix_cache_queries_tokens",
+        "backend_prefix_cache_hits_tokens",
+    )
+)  # fmt: skip
 
 
 @dataclass
@@ -44,11 +59,18 @@ def _escape(value: str) -> str:
 
 
 def merge_pages(pages: Sequence[tuple[int, str]]) -> str:
-    """One exposition page from ``(worker index, page text)`` pairs (see module doc)."""
+    """One exposition page from ``(worker index, page text)`` pairs, the answering
+    worker's first (see module doc)."""
     families: dict[str, _Family] = {}
-    for worker, text in pages:
+    for i, (worker, text) in enumerate(pages):
         for fam in text_string_to_metric_families(text):
             if fam.type == "unknown" and fam.name.endswith("_created"):
+                continue
+            if fam.name in ONE_VIEW and fam.type == "gauge":
+                if i == 0:  # the answering worker's view, as it is
+                    view = families[fam.name] = _Family(fam.name, fam.type, fam.documentation)
+                    for s in fam.samples:
+                        view.samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
                 continue
             got = families.get(fam.name)
             if got is None:

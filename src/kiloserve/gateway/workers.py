@@ -13,8 +13,10 @@ the others through the segment, so every worker routes on the load of all of the
 avoids what any of them found broken or slow, and follows the prefixes all of them
 placed.
 
-The supervisor prints one ``kiloserve gateway listening on URL (N workers)`` line once
-every worker listens, forwards the workers' other output, restarts a worker that dies
+The supervisor prints one ``kiloserve gateway listening on URL`` line (the same as a
+single process's; its log says how many workers) once every worker listens (worker 0
+first: a config the app refuses ends the gateway with its error and exit 2), forwards
+the workers' other output, restarts a worker that dies
 (the new one first retires what the dead one still counted), and on SIGINT / SIGTERM
 stops them all (each gets ``shutdown_grace_s`` for its in-flight requests). A worker
 whose supervisor is gone (killed with SIGKILL, say) stops the same way within
@@ -150,17 +152,27 @@ def run_workers(
     workers: list[_Worker] = []
     try:
         FileLock(lock_path).close()  # create it before any worker opens it
-        workers = [_Worker(i, spec) for i in range(cfg.workers)]
+        # worker 0 first: a config the app refuses (an unknown policy, say) stops the
+        # gateway with worker 0's one error line and exit 2, as one process would
+        workers = [_Worker(0, spec)]
         deadline = time.monotonic() + 60.0
-        for w in workers:
+        for i in range(cfg.workers):
+            w = workers[i]
             while not w.ready.wait(0.1):
-                if stop.is_set() or w.proc.poll() is not None or time.monotonic() > deadline:
+                if stop.is_set():  # SIGTERM while starting (worker 0 may serve already)
+                    return 0
+                if w.proc.poll() is not None or time.monotonic() > deadline:
+                    if w.proc.poll() == 2:  # it said why (worker_main)
+                        return 2
                     print("kiloserve gateway: a worker did not start", file=sys.stderr)
                     return 1
+            if i == 0:
+                workers += [_Worker(j, spec) for j in range(1, cfg.workers)]
         host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
         url = f"http://{host}:{port}"
         logger.info("kiloserve gateway listening on %s (%d workers)", url, cfg.workers)
-        print(f"kiloserve gateway listening on {url} ({cfg.workers} workers)", flush=True)
+        # the same line as one process's: scripts take the URL from its end
+        print(f"kiloserve gateway listening on {url}", flush=True)
         return _supervise(workers, spec, stop, hup)
     finally:
         _stop_all(workers, cfg.shutdown_grace_s + 10.0)
@@ -329,6 +341,9 @@ def worker_main() -> int:
             source=source,
             supervisor=int(supervisor) if isinstance(supervisor, int) else None,
         )
+    except KiloserveError as exc:  # a config the app refuses: one line, as the CLI says it
+        print(f"kiloserve gateway: error: {exc}", file=sys.stderr)
+        return 2
     finally:
         shared.close()
         lock.close()

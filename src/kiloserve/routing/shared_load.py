@@ -67,6 +67,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FIELDS",
+    "QUEUE_WORDS",
     "SCRAPE_FAILED",
     "SCRAPE_OK",
     "SCRAPE_UNAVAILABLE",
@@ -100,6 +101,9 @@ _NUMS = EngineMetrics.NUMBERS
 _SCRAPE_WORDS = 3 + len(_NUMS) + 2 + 4
 SCRAPE_OK, SCRAPE_UNAVAILABLE, SCRAPE_FAILED = 1, 2, 3
 _CREATED: set[str] = set()  # segments this process created (and its tracker unlinks)
+# a queue head per worker and pool: count, priority, oldest arrival (f64), and the
+# count in each lane (short, medium, long; gateway/admission/shared_queue.py)
+QUEUE_WORDS = 6
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +166,7 @@ class LoadLayout:
 
     @property
     def lora_at(self) -> int:  # version, length, then the JSON bytes
-        return self.queues_at + self.workers * self.slots * 3
+        return self.queues_at + self.workers * self.slots * QUEUE_WORDS
 
     @property
     def words(self) -> int:

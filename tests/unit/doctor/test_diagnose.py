@@ -251,3 +251,13 @@ def test_facts_from_failed_reads_are_unknown() -> None:
     )  # fmt: skip
     assert not f.metrics_ok and f.running is None and f.engine_itl_ms is None
     assert diagnose(_snap(f, *POOL[1:]))[0].cause == "hung_engine"
+
+
+def test_a_flag_any_worker_sets_counts() -> None:
+    """``--workers N``: one ``backend_ejected`` series per worker; the backend is
+    ejected when any worker says so, whichever series the page lists last."""
+    gw = gateway_counts(
+        'kiloserve_gateway_backend_ejected{backend="a0",worker="0"} 1.0\n'
+        'kiloserve_gateway_backend_ejected{backend="a0",worker="1"} 0.0\n'
+    )
+    assert gw["flags"] == {"a0": {"ejected": True}}

@@ -44,3 +44,24 @@ def test_label_values_are_escaped() -> None:
     page = '# TYPE g gauge\ng{path="a\\\\b\\"c\\nd"} 1\n'
     got = _samples(merge_pages([(0, page)]))
     assert got[("g", (("path", 'a\\b"c\nd'), ("worker", "0")))] == 1
+
+
+def test_gauges_of_the_shared_view_appear_once() -> None:
+    """Each worker holds the whole gateway's in-flight count per backend (the shared
+    view): the merged page gives it once, as the answering worker (the first page)
+    sees it, not once per worker (summed by an autoscaler, N times the truth)."""
+    page = (
+        "# HELP kiloserve_gateway_in_flight requests in flight\n"
+        "# TYPE kiloserve_gateway_in_flight gauge\n"
+        'kiloserve_gateway_in_flight{backend="a"} %d\n'
+        "# HELP kiloserve_gateway_registry_up registry watch\n"
+        "# TYPE kiloserve_gateway_registry_up gauge\n"
+        "kiloserve_gateway_registry_up %d\n"
+    )
+    got = _samples(merge_pages([(1, page % (6, 1)), (0, page % (5, 0))]))
+    assert got[("kiloserve_gateway_in_flight", (("backend", "a"),))] == 6
+    assert [k for k in got if k[0] == "kiloserve_gateway_in_flight"] == [
+        ("kiloserve_gateway_in_flight", (("backend", "a"),))
+    ]
+    assert got[("kiloserve_gateway_registry_up", (("worker", "1"),))] == 1
+    assert got[("kiloserve_gateway_registry_up", (("worker", "0"),))] == 0

@@ -46,6 +46,8 @@ from kiloserve.routing.table import BackendTable
 
 __all__ = ["Admission", "AdmissionController", "AdmissionMetrics"]
 
+_LANE_INDEX = {lane: i for i, lane in enumerate(LANES)}
+
 logger = logging.getLogger(__name__)
 
 WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -226,8 +228,12 @@ class AdmissionController:
             info.request_id, need, info.input_tokens, info.priority, info.tenant or "",
             now, now + self.cfg.max_queue_wait_s, q.window_end(now), ticket=fut,
         )  # fmt: skip
+        share = self.share
+        others = None if share is None else (
+            lambda lane: share.in_lane(info.model, _LANE_INDEX[lane], now)
+        )  # fmt: skip
         try:
-            q.push(w)
+            q.push(w, others)
         except QueueFullError as exc:
             self.metrics.outcome(info.model, "rejected_queue_full")
             raise QueueFullError(
@@ -257,9 +263,9 @@ class AdmissionController:
         if self.share is not None:
             head = self._head(q)
             if head is None:
-                self.share.publish(model, 0, 0, 0.0)
+                self.share.publish(model, 0, 0, 0.0, (0, 0, 0))
             else:
-                self.share.publish(model, len(q), *head)
+                self.share.publish(model, len(q), *head, q.lane_counts())
 
     def _yields(self, model: str, q: PoolQueue, now_s: float) -> bool:
         """Whether this worker leaves the room (there is some) to a sibling's earlier

@@ -174,16 +174,22 @@ class PoolQueue:
             if w.eligible_s <= now_s:
                 w.eligible_s = next_s
 
-    def push(self, w: Waiter) -> None:
-        """Queue ``w`` (its lane is set here); raises QueueFullError when the lane is full."""
+    def push(self, w: Waiter, others: Callable[[Lane], int] | None = None) -> None:
+        """Queue ``w`` (its lane is set here); raises QueueFullError when the lane is full
+        (``others``: how many wait in that lane elsewhere, the gateway's other workers)."""
         w.lane = lane_of(w.input_tokens, self.cfg)
-        if self._num_by_lane[w.lane] >= self.cfg.max_queue_len:
+        elsewhere = 0 if others is None else others(w.lane)
+        if self._num_by_lane[w.lane] + elsewhere >= self.cfg.max_queue_len:
             raise QueueFullError(f"the {w.lane} lane is full", lane=w.lane)
         num_tenant = self._num_by_tenant.get(w.tenant, 0)
         self._fair.on_arrival(w.tenant, is_first_queued=num_tenant == 0)
         self._num_by_tenant[w.tenant] = num_tenant + 1
         self._num_by_lane[w.lane] += 1
         self._waiters.append(w)
+
+    def lane_counts(self) -> tuple[int, ...]:
+        """How many wait in each lane (``LANES`` order)."""
+        return tuple(self._num_by_lane[lane] for lane in LANES)
 
     def remove(self, w: Waiter) -> bool:
         """Take ``w`` out (released, expired or its client left); False if not queued."""

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from kiloserve.errors import QueueFullError
 from kiloserve.gateway.admission.controller import Admission, AdmissionController
 from kiloserve.gateway.admission.queue import AdmissionConfig
 from kiloserve.gateway.admission.shared_queue import SharedQueues
@@ -118,9 +119,29 @@ async def test_a_head_past_the_queue_wait_limit_is_a_dead_workers_leftover(
 ) -> None:
     a, b = workers
     assert b.share is not None
-    b.share.publish("m", 1, 0, time.monotonic() - b.cfg.max_queue_wait_s - 5)
+    b.share.publish("m", 1, 0, time.monotonic() - b.cfg.max_queue_wait_s - 5, (1, 0, 0))
     assert (await asyncio.wait_for(a.admit(_info("r1")), 1.0)).backend_id == "a"
-    b.share.publish("m", 1, 0, time.monotonic())  # a live sibling's waiter
+    b.share.publish("m", 1, 0, time.monotonic(), (1, 0, 0))  # a live sibling's waiter
     assert a.share is not None and a.share.waiting("m", 0, time.monotonic())
     b.share.clear()  # what a replacement worker does first
     assert not a.share.waiting("m", 0, time.monotonic())
+
+
+async def test_a_lane_bound_is_one_bound_for_the_gateway(
+    workers: tuple[AdmissionController, AdmissionController],
+) -> None:
+    """``max_queue_len`` bounds a lane across the workers: with two waiting at worker B
+    (the bound), an arrival at worker A is answered 429, not queued as a first (before:
+    each worker had the whole bound). Another lane keeps its own room."""
+    a, b = workers
+    for ctl in workers:
+        ctl.cfg = ctl.cfg.model_copy(update={"max_queue_len": 2})
+    first = await a.admit(_info("r1"))  # takes the one slot
+    waiting = [await _queued(b, _info(f"b{i}")) for i in range(2)]
+    with pytest.raises(QueueFullError, match="short lane"):
+        await asyncio.wait_for(a.admit(_info("r4")), 1.0)
+    long = RequestInfo("r5", "m", input_tokens=5_000, predicted_output_tokens=10)
+    other_lane = await _queued(a, long.with_admission(0, ""))
+    for fut in [*waiting, other_lane]:
+        fut.cancel()
+    a.done(first)
