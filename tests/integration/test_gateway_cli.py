@@ -100,14 +100,18 @@ async def test_cli_process_quick_start_and_clean_exit() -> None:
     assert code == 0
 
 
-async def test_cli_bad_policy_exits_2() -> None:
+@pytest.mark.parametrize("workers", ["1", "2"])
+async def test_cli_bad_policy_exits_2(workers: str) -> None:
+    """One process or ``--workers 2`` alike: exit 2 and one error line naming the policy
+    (with workers, before: a traceback from each worker and exit 1)."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kiloserve", "gateway", "--policy", "nope", "--port", "0",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        "--workers", workers, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
-    _, err = await asyncio.wait_for(proc.communicate(), 20)
+    _, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 2
-    assert b"nope" in err
+    assert b"kiloserve gateway: error: unknown policy 'nope'" in err
+    assert b"Traceback" not in err and err.count(b"error:") == 1, err.decode()
 
 
 def test_public_surface() -> None:

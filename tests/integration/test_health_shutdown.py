@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 import yaml
 from test_gateway_twins import MODEL, twins
 
@@ -49,9 +50,14 @@ def launch_gateway(
     return f"http://127.0.0.1:{port}", proc
 
 
-async def test_sigterm_lets_in_flight_streams_finish_then_exits(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_sigterm_lets_in_flight_streams_finish_then_exits(
+    tmp_path: Path, workers: int
+) -> None:
+    """With ``workers: 2`` the SIGTERM may come while worker 1 still starts (worker 0
+    answers ``/ready`` first): exit 0 all the same (before: 1, "a worker did not start")."""
     async with twins({}, step_s=0.02) as servers:
-        url, proc = launch_gateway(tmp_path, servers[0].url, shutdown_grace_s=10.0)
+        url, proc = launch_gateway(tmp_path, servers[0].url, shutdown_grace_s=10.0, workers=workers)
         try:
             await _wait_ready(url, proc)
             body = {"model": MODEL, "prompt": "drain me", "max_tokens": 40, "stream": True}

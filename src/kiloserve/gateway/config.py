@@ -94,7 +94,7 @@ def resolve_workers(value: object) -> object:
 
 
 def auto_workers() -> int:
-    """What ``workers: auto`` (the default) gives: one per usable CPU, at most 256."""
+    """What ``workers: auto`` gives: one per usable CPU, at most 256."""
     return min(256, usable_cpus())
 
 
