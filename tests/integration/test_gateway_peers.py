@@ -45,9 +45,12 @@ async def _in_flight(gw: str) -> int:
 
 
 async def _metric(gw: str, name: str) -> float:
+    """A gauge each worker of the gateway keeps for itself (``--workers N``: one series
+    per worker): its value when every series has the same one, else NaN."""
     async with aiohttp.ClientSession() as s, s.get(gw + "/metrics") as r:
         text = await r.text()
-    return sum(v for n, _, v in parse_samples(text) if n == name)
+    values = {v for n, _, v in parse_samples(text) if n == name}
+    return values.pop() if len(values) == 1 else float("nan")
 
 
 async def _until(check: Callable[[], Awaitable[bool]], timeout_s: float = 20.0) -> None:

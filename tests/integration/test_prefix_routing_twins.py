@@ -227,9 +227,9 @@ def test_restarted_twin_loses_its_entries_and_rebuilds_them(cluster: LocalCluste
     fresh = complete(info.url, filler_text(40, seed=950))
     assert fresh.cached == 0
 
-    def rebuilt() -> bool:
-        row = kv_rows(gw)[victim]
-        return bool(row["mode"] == "exact" and row["blocks"] > 0)
+    def rebuilt() -> bool:  # (on every read: with workers, each has its own subscriber)
+        rows = [kv_rows(gw)[victim] for _ in range(4)]
+        return all(r["mode"] == "exact" and r["blocks"] > 0 for r in rows)
 
     wait_for(rebuilt, 15, f"{victim} exact again with new blocks")
     after = kv_rows(gw)[victim]

@@ -260,7 +260,9 @@ class PeerLoad:
 
     @property
     def num_peers(self) -> int:
-        return len(self._peers)
+        """Peer gateways in the view: a gateway with N workers sends as N processes
+        (``INSTANCE:PID``), counted once (before: N times)."""
+        return len({pid.rsplit(":", 1)[0] for pid in self._peers})
 
     # -- the Redis side ----------------------------------------------------------------
     def _message(self, *, full: bool) -> bytes | None:

@@ -221,3 +221,16 @@ async def test_a_change_after_a_quiet_spell_is_sent_at_once_and_bursts_are_batch
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+def test_a_gateway_with_several_workers_is_one_peer() -> None:
+    """Each worker of a ``--workers 2`` gateway sends as its own process (``INSTANCE:PID``,
+    same instance): ``kiloserve_gateway_peers`` counts that gateway once (before: twice)."""
+    clock = _Clock()
+    (t1, p1), (t2, p2) = _gateway(clock, "g1"), _gateway(clock, "g2")
+    t1.on_dispatch("a", _info())
+    _send(p1, p2)
+    p1.peer_id = "g1:another-worker"  # the same gateway's other worker
+    _send(p1, p2, full=True)
+    t2.sync()
+    assert p2.num_peers == 1

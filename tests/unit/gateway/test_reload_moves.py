@@ -31,7 +31,7 @@ def _cfg(**kw: Any) -> Any:
         ({"max_in_flight": 5, "retries": 0}, ["retries", "max_in_flight"], []),
         ({"admission": {"limits": {"max_output_tokens": 100}}}, ["admission.limits"],
          ["auth.keys / admission.limits (turning flow control on or off)"]),
-        ({"port": 1, "workers": 2}, ["port", "workers"], ["port", "workers"]),
+        ({"port": 1, "workers": _cfg().workers + 1}, ["port", "workers"], ["port", "workers"]),
         ({"admission": {"enabled": True}}, ["admission"], ["admission",
          "auth.keys / admission.limits (turning flow control on or off)"]),
         ({"registry": {"kind": "etcd", "etcd": ["127.0.0.1:2379"]}}, ["registry"], ["registry"]),
