@@ -22,10 +22,9 @@ issue 16: <= 100 us per request with the default policy, and with ``--workers 2`
 >= 1.3x one worker's max requests/s at CPU per request within 10% of one worker's.
 ``--tracing`` adds a gateway with OpenTelemetry tracing on (``gw-tracing``; issue 18).
 
-Every run also measures the gateway on asyncio's own event loop (``--loop asyncio``)
-beside the default (uvloop where installed), unless ``--no-loop-baseline``; the CPU of
-a multi-process gateway is its supervisor's plus every worker's (``/proc`` children).
-
+``gateway`` is one process (``--workers 1``, uvloop where installed), ``gw-asyncio`` the
+same on asyncio's loop (unless ``--no-loop-baseline``); ``--workers 2`` adds a row whose
+CPU is the supervisor's plus every worker's (``/proc`` children):
     .venv/bin/python benchmarks/gateway_overhead.py --workers 2
 
 ``--profile FILE`` runs the gateway under cProfile timed by the gateway's own CPU clock
@@ -463,13 +462,14 @@ def start_all(
         ]
         procs.append(subprocess.Popen(cmd))
     targets = [Target("direct", backend_ports, None)]
-    variants: list[tuple[str, list[str]]] = [("gateway", [])]
+    one = ["--workers", "1"]  # one process (and --profile's cProfile sees the proxying)
+    variants: list[tuple[str, list[str]]] = [("gateway", one)]
     if not args.no_loop_baseline:
-        variants.append(("gw-asyncio", ["--loop", "asyncio"]))
+        variants.append(("gw-asyncio", ["--loop", "asyncio", *one]))
     if args.workers > 1:
         variants.append((f"gw-{args.workers}w", ["--workers", str(args.workers)]))
     if args.tracing:
-        variants.append(("gw-tracing", []))
+        variants.append(("gw-tracing", one))
     for name, extra in variants:
         port = free_ports(1)[0]
         gateway_yaml(tmp / f"{name}.yaml", port, backend_ports, args.policy)

@@ -93,6 +93,7 @@ def _gateway(
         "policy": {"name": "default"},
         "scrape_interval_s": 0.2,
         "seed": 7,
+        "workers": 1,  # one process per gateway: the subject is gateways, not workers
         "backends": [
             {"url": url, "name": f"twin{i}", "models": [MODEL], "gpu": "H100"}
             for i, url in enumerate(twin_urls)
