@@ -169,7 +169,7 @@ async def test_a_bad_reload_answers_400_and_changes_nothing(tmp_path: Path) -> N
             for code, text in bad.items():
                 path.write_text(text)
                 if not text:
-                    # (not the default's count: ``workers`` is ``auto`` unless given)
+                    # (a count the gateway does not run with, whatever the default)
                     _write(path, [_backend(fake, "b0")], port=9, workers=auto_workers() + 1)
                 status, body = await _post(url, "/admin/reload")
                 assert status == 400, body
