@@ -23,24 +23,13 @@ from test_gateway_fakes import FakeBackend, fake_backends, gateway_process
 
 from kiloserve.cpus import usable_cpus
 from kiloserve.routing.engine_metrics import parse_samples
+from worker_urls import children as _children
 
 pytestmark = pytest.mark.slow
 
 
 def _shm() -> set[str]:
     return {p.name for p in Path("/dev/shm").glob("psm_*")}
-
-
-def _children(pid: int) -> list[int]:
-    """The supervisor's worker processes (not its resource tracker)."""
-    out: list[int] = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(OSError):
-            for c in (task / "children").read_text().split():
-                cmd = Path(f"/proc/{c}/cmdline").read_bytes()
-                if b"kiloserve.gateway.workers" in cmd:
-                    out.append(int(c))
-    return out
 
 
 @contextlib.asynccontextmanager

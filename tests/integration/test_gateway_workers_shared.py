@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -23,32 +22,15 @@ from pathlib import Path
 import aiohttp
 import pytest
 from test_gateway_fakes import FakeBackend, fake_backends
-from test_gateway_workers import _children, _get, _until
+from test_gateway_workers import _get, _until
 
 from kiloserve.gateway.headers import BACKEND_HEADER, CACHED_TOKENS_HEADER
 from kiloserve.routing.engine_metrics import parse_samples
 from kiloserve.tokens import filler_text
+from worker_urls import children as _children
+from worker_urls import listening_ports as _listening_ports
 
 pytestmark = pytest.mark.slow
-
-
-def _listening_ports(pid: int) -> set[int]:
-    """The TCP ports process ``pid`` listens on at 127.0.0.1 (from /proc)."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:[") : -1])
-    ports = set()
-    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
-        cols = line.split()
-        local, state, inode = cols[1], cols[3], cols[9]
-        if state == "0A" and inode in inodes and local.startswith("0100007F:"):
-            ports.add(int(local.split(":")[1], 16))
-    return ports
 
 
 @contextlib.asynccontextmanager

@@ -67,7 +67,7 @@ def _live(
     """(summary, routing sequence, probes' median TTFT in s) from the live cluster."""
     cluster = LocalCluster(
         cfg, gateway=True, policy="round_robin", gateway_port=0, run_dir=run_dir,
-        gateway_options={"seed": 0},
+        gateway_options={"seed": 0, "workers": 1},  # the simulator models one router
     )  # fmt: skip
     with cluster:
         url = cluster.gateway_url

@@ -62,11 +62,13 @@ def test_workers_auto_in_the_config_and_on_the_command_line(
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(6)))
     monkeypatch.setattr(cpus, "CGROUP_ROOT", _v2(tmp_path, "300000 100000"))
     assert parse_gateway_config({"workers": "auto"}).workers == 3
-    assert parse_gateway_config({}).workers == 1  # the default stays one process
+    assert parse_gateway_config({}).workers == 3  # the default: one per usable CPU
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
     assert cli.build_config(parser.parse_args(["--workers", "auto"])).workers == 3
     assert cli.build_config(parser.parse_args(["--workers", "2"])).workers == 2
+    assert cli.build_config(parser.parse_args(["--workers", "1"])).workers == 1
+    assert cli.build_config(parser.parse_args([])).workers == 3
 
 
 def test_workers_flag_names_what_it_takes(capsys: pytest.CaptureFixture[str]) -> None:

@@ -62,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_workers,
         help="processes serving the port with SO_REUSEPORT and one shared in-flight "
         "view, or 'auto': one per usable CPU (the cores this process may run on, capped "
-        "by its container's CPU limit) (default 1; docs/gateway.md, 'Workers')",
+        "by its container's CPU limit; the default); 1: one process, no supervisor "
+        "(docs/gateway.md, 'Workers')",
     )
 
 

@@ -170,9 +170,9 @@ class GatewayConfig(_Strict):
     event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
     # processes serving the port (SO_REUSEPORT) with one shared in-flight view
     # (gateway/workers.py, docs/gateway.md "Workers"); "auto": one per usable CPU
-    # (the cores this process may run on, capped by its container's CPU limit);
-    # 1 (the default): one process, no supervisor
-    workers: int = Field(default=1, ge=1, le=256)
+    # (the cores this process may run on, capped by its container's CPU limit), the
+    # default; 1: one process, no supervisor
+    workers: int = Field(default_factory=auto_workers, ge=1, le=256)
 
     @field_validator("workers", mode="before")
     @classmethod

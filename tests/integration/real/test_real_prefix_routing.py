@@ -47,6 +47,7 @@ from conftest import (
 from kiloserve.gateway.headers import BACKEND_HEADER, CACHED_TOKENS_HEADER
 from kiloserve.launch.cluster import LocalCluster
 from kiloserve.launch.config import ClusterConfig, parse_cluster_config
+from worker_urls import gateway_workers, merged_kv_rows
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -191,7 +192,8 @@ def route(gw: str, what: str, body: dict[str, Any], is_chat: bool = False) -> An
         return bool(kv_rows(gw)[answer.backend]["blocks"] >= fewest)
 
     wait_for(indexed, 10, f"{what}: {answer} indexed ({fewest} blocks)")
-    assert fewest <= kv_rows(gw)[answer.backend]["blocks"] <= most, answer
+    row = kv_rows(gw)[answer.backend]
+    assert fewest <= row["blocks"] <= row["max_blocks"] <= most, answer
     return answer
 
 
@@ -244,8 +246,11 @@ def request_body(work: Workload, i: int) -> tuple[dict[str, Any], bool]:
 
 
 def kv_rows(gateway_url: str) -> dict[str, dict[str, Any]]:
-    rows: dict[str, dict[str, Any]] = http_json(gateway_url + "/admin/config")["kv_events"]
-    return rows
+    """The gateway's KV-event rows as its slowest worker holds them (each worker of
+    ``--workers N`` has its own subscriber and index, and the next request may reach
+    any of them): ``worker_urls.merged_kv_rows``."""
+    urls = gateway_workers(gateway_url)
+    return merged_kv_rows([http_json(u + "/admin/config")["kv_events"] for u in urls])
 
 
 def warm_up(cluster: LocalCluster) -> str:
@@ -273,7 +278,7 @@ def test_predicted_cached_prefix_equals_vllms(
     gw = warm_up(prefix_cluster)
     rows = kv_rows(gw)
     # the warm-up's 291 tokens fill 2 engine blocks (``blocks`` counts engine blocks)
-    assert all(rows[b]["blocks"] == WARM_UP_BLOCKS for b in BACKENDS), rows
+    assert all(rows[b]["blocks"] == rows[b]["max_blocks"] == WARM_UP_BLOCKS for b in BACKENDS)
     work = workload(Path(real_env.model_dir) / "tokenizer.json")
     answers = []
     for i in range(NUM_REQUESTS):
@@ -337,7 +342,7 @@ def test_restarted_vllm_loses_its_entries_and_rebuilds_them(
 
     def dropped() -> bool:
         row = kv_rows(gw)[victim]
-        return bool(row["blocks"] == 0 and row["mode"] == "approximate")
+        return bool(row["max_blocks"] == 0 and row["mode"] == "approximate")
 
     wait_for(dropped, 20, f"{victim}'s entries dropped")
     answer = route(gw, "while down", {"prompt": work.heads[0] + "\nStill there?"})
@@ -356,7 +361,7 @@ def test_restarted_vllm_loses_its_entries_and_rebuilds_them(
 
     wait_for(rebuilt, 30, f"{victim} exact again with the new engine's blocks")
     after = kv_rows(gw)[victim]
-    assert after["blocks"] == WARM_UP_BLOCKS, after  # only the new engine's
+    assert after["blocks"] == after["max_blocks"] == WARM_UP_BLOCKS, after  # the new engine's
     lost = (after["resyncs"] - before["resyncs"]) + (after["restarts"] - before["restarts"])
     assert lost >= 1, (before, after)
     text = http_text(gw + "/metrics")
