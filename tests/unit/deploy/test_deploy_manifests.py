@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -315,6 +316,26 @@ def test_gateway_deployment_probes_config_and_budget() -> None:
     pods_metric = next(m for m in hpa["spec"]["metrics"] if m["type"] == "Pods")
     adapter = objs[("ConfigMap", "kiloserve-prometheus-adapter")]["data"]["config.yaml"]
     assert pods_metric["pods"]["metric"]["name"] in adapter
+
+
+def test_gateway_deployment_sizes_its_workers_by_the_cpu_request() -> None:
+    """One worker per requested core, through the downward API (without ``--workers``
+    the gateway would start one per CPU of the node: no CPU limit is set), and a memory
+    limit that holds them (~60-70 MiB a process, the supervisor included)."""
+    dep = _objects()[("Deployment", "kiloserve-gateway")]
+    (container,) = _pod_spec(dep)["containers"]
+    args = container["args"]
+    value = args[args.index("--workers") + 1]
+    assert value.startswith("$(") and value.endswith(")"), args
+    env = {e["name"]: e for e in container["env"]}
+    field = env[value[2:-1]]["valueFrom"]["resourceFieldRef"]
+    assert field["containerName"] == container["name"]
+    assert field["resource"] == "requests.cpu" and str(field["divisor"]) == "1"
+    resources = container["resources"]
+    cpus = math.ceil(float(resources["requests"]["cpu"]))
+    assert cpus >= 2  # the point of the workers
+    limit_mib = int(resources["limits"]["memory"].removesuffix("Gi")) * 1024
+    assert limit_mib >= (cpus + 1) * 128
 
 
 def test_engine_deployment_gpu_spread_and_agent() -> None:
