@@ -113,7 +113,8 @@ def one(args: argparse.Namespace, name: str) -> dict[str, Any]:
     )
     run_dir = args.out / name
     run_dir.mkdir(parents=True, exist_ok=True)
-    options = {"seed": args.seed, **VARIANTS[name]}
+    # one gateway process (--workers 1): how the figures in docs were measured
+    options = {"seed": args.seed, "workers": 1, **VARIANTS[name]}
     with LocalCluster(
         cfg, gateway=True, gateway_port=0, run_dir=run_dir, gateway_options=options
     ) as c:

@@ -415,7 +415,8 @@ def run_live(
     Returns the row's numbers, the bench summary and the records."""
     t0 = time.perf_counter()
     cluster = LocalCluster(cfg, gateway=True, policy=policy, gateway_port=0,
-                           run_dir=out_dir / policy / "logs", gateway_options={"seed": args.seed},
+                           run_dir=out_dir / policy / "logs",
+                           gateway_options={"seed": args.seed, "workers": 1},  # one process
                            start_timeout_s=LIVE_START_TIMEOUT_S)  # fmt: skip
     with cluster:
         assert cluster.gateway_url is not None

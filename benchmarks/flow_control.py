@@ -83,8 +83,9 @@ def cluster_config(num_backends: int) -> ClusterConfig:
 
 
 def admission_options(on: bool, args: argparse.Namespace) -> dict[str, Any]:
+    # one gateway process (--workers 1): how the figures in docs were measured
     if not on:
-        return {"seed": args.seed}
+        return {"seed": args.seed, "workers": 1}
     capacity = {
         "default_kv_capacity_tokens": KV_TOKENS,
         "kv_bytes_per_token": {MODEL: KV_BYTES_PER_TOKEN},
@@ -103,7 +104,7 @@ def admission_options(on: bool, args: argparse.Namespace) -> dict[str, Any]:
         "window_s": args.window_s,
         "capacity": capacity,
     }
-    return {"seed": args.seed, "admission": admission}
+    return {"seed": args.seed, "workers": 1, "admission": admission}
 
 
 class Sampler:

@@ -182,7 +182,8 @@ def run_live(args: argparse.Namespace) -> None:
         cfg = base if events else without_kv_events(base)
         out_dir = args.out / "live" / policy
         cluster = LocalCluster(cfg, gateway=True, policy=policy, gateway_port=0,
-                               run_dir=out_dir / "logs", gateway_options={"seed": args.seed},
+                               run_dir=out_dir / "logs",
+                               gateway_options={"seed": args.seed, "workers": 1},  # one process
                                start_timeout_s=120)  # fmt: skip
         with cluster:
             out = asyncio.run(one_run(cluster, LIVE_MODEL, workload, events))

@@ -30,8 +30,9 @@ blocks), the gateway's ``kv_events`` modes polled from ``/admin/config`` during 
 run, then each target with met / NOT met: P90 TTFT of default <= 0.2x prefix_affinity
 and <= 0.1x round robin; hit rate >= 0.95 x oracle. Reports (bench client format)
 under ``--out``. ``--default-params JSON`` and ``--max-prefix-tokens N`` (a gateway
-option) are for experiments. Wall-clock numbers on a shared 2-core machine: compare
-the ratios.
+option) are for experiments; ``--workers`` sets the gateway's processes (default 1:
+one process, as the docs' figures were measured; ``auto`` is the gateway's default).
+Wall-clock numbers on a shared 2-core machine: compare the ratios.
 """
 
 from __future__ import annotations
@@ -302,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
             continue
         label = f"{policy} (KV events {'on' if kv_events else 'off'})"
         print(f"== {label}: starting {args.num_backends} twins + gateway ...", flush=True)
-        options: dict[str, Any] = {"seed": args.seed}
+        options: dict[str, Any] = {"seed": args.seed, "workers": args.workers}
         if args.max_prefix_tokens is not None:
             options["max_prefix_tokens"] = args.max_prefix_tokens
         params = json.loads(args.default_params) if policy == "default" else {}
@@ -388,6 +389,11 @@ def main() -> int:
     p.add_argument("--default-params", default="{}", help="JSON params of the default run")
     p.add_argument("--max-prefix-tokens", type=int, help="gateway option (default 2048)")
     p.add_argument("--seed", type=int, default=11)
+    p.add_argument(
+        "--workers", default="1",
+        help="gateway worker processes (default 1, as the figures in docs/policies.md were "
+        "measured; 'auto' is the gateway's own default: one per usable CPU)",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, default=REPO / "runs" / "prefix-routing")
     args = p.parse_args()
     args.tenants = args.tenants or (48 if args.quick else 100)

@@ -69,7 +69,10 @@ def main() -> None:
     live: dict[int, list[tuple[float, float, str]]] = {}
     with (
         tempfile.TemporaryDirectory(prefix="pd-parity-") as run_dir,
-        LocalCluster(cfg, gateway=True, gateway_port=0, run_dir=Path(run_dir)) as cluster,
+        # one gateway process (--workers 1): the simulator models one router
+        LocalCluster(
+            cfg, gateway=True, gateway_port=0, run_dir=Path(run_dir), gateway_options={"workers": 1}
+        ) as cluster,
     ):
         url = cluster.gateway_url or ""
         for n in PROMPT_TOKENS:

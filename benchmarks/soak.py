@@ -63,7 +63,8 @@ from kiloserve.routing.engine_metrics import parse_samples  # noqa: E402
 
 CLUSTER: dict[str, Any] = {
     "name": "soak",
-    "gateway": {"port": 0, "policy": "default"},
+    # one gateway process: the soak reads the RSS of the gateway's pid
+    "gateway": {"port": 0, "policy": "default", "options": {"workers": 1}},
     "backends": [{"name": "h100", "gpu": "H100", "model": "llama-3.1-8b", "count": 3}],
 }
 ROTATION = ("kill", "hang", "stall", "errors", "slow", "thermal")
