@@ -185,6 +185,7 @@ def gateway_counts(text: str) -> dict[str, Any]:
     flags: dict[str, dict[str, bool]] = {}
     ejections: dict[str, float] = {}
     queue: dict[str, float] = {}
+    missing = 0.0
     for name, labels, value in parse_prometheus(text):
         backend = labels.get("backend", "")
         if name == "kiloserve_gateway_requests_total" and backend:
@@ -200,12 +201,16 @@ def gateway_counts(text: str) -> dict[str, Any]:
         elif name == "kiloserve_gateway_queue_depth":
             model = labels.get("model", "")
             queue[model] = queue.get(model, 0.0) + value
+        elif name == "kiloserve_gateway_worker_pages_missing":
+            missing = value
     return {
         "attempts": attempts,
         "errors": errors,
         "flags": flags,
         "ejections": ejections,
         "queue": queue,
+        # ``--workers N``: siblings whose counters this merged page lacks (read it again)
+        "missing_workers": missing,
     }
 
 

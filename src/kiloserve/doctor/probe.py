@@ -122,13 +122,23 @@ async def _gateway_json(
 
 
 async def _gateway_metrics(
-    session: aiohttp.ClientSession, url: str, token: str | None, timeout_s: float
+    session: aiohttp.ClientSession, url: str, token: str | None, timeout_s: float, tries: int
 ) -> dict[str, Any]:
-    try:
-        status, body, _ = await _timed_get(session, url + "/metrics", timeout_s, _headers(token))
-    except (aiohttp.ClientError, TimeoutError):
-        status, body = 0, ""
-    return gateway_counts(body if status == 200 else "")
+    """The gateway's counters; a merged page (``--workers N``) that lacks a sibling's
+    counters is read again (up to ``tries`` reads): one such page against a whole one
+    would show a window's errors as none."""
+    counts: dict[str, Any] = gateway_counts("")
+    for _ in range(max(1, tries)):
+        try:
+            status, body, _ = await _timed_get(
+                session, url + "/metrics", timeout_s, _headers(token)
+            )
+        except (aiohttp.ClientError, TimeoutError):
+            status, body = 0, ""
+        counts = gateway_counts(body if status == 200 else "")
+        if not counts["missing_workers"]:
+            break
+    return counts
 
 
 async def collect(
@@ -149,7 +159,7 @@ async def collect(
             raise DoctorError(f"gateway {base} does not answer GET /health: {gw_err}")
         state = await _gateway_json(session, base + "/admin/backends", admin_token, timeout_s)
         config = await _gateway_json(session, base + "/admin/config", admin_token, timeout_s)
-        gw_first = await _gateway_metrics(session, base, mtoken, timeout_s)
+        gw_first = await _gateway_metrics(session, base, mtoken, timeout_s, tries)
         backends = [_Backend(dict(row)) for row in state.get("backends", [])]
 
         async def first_pass(b: _Backend) -> None:
@@ -174,7 +184,7 @@ async def collect(
                 )
 
         gw_last, _ = await asyncio.gather(
-            _gateway_metrics(session, base, mtoken, timeout_s),
+            _gateway_metrics(session, base, mtoken, timeout_s, tries),
             asyncio.gather(*(second_pass(b) for b in backends)),
         )
         state2 = await _gateway_json(session, base + "/admin/backends", admin_token, timeout_s)

@@ -18,7 +18,10 @@ them with its own:
   aggregate them as fits, e.g. ``sum by (model)`` or ``min``).
 
 A sibling that does not answer within ``timeout_s`` is left out of that scrape (and the
-page says so in ``kiloserve_gateway_worker_scrape_errors``).
+page says so: ``kiloserve_gateway_worker_pages_missing`` counts this page's missing
+siblings, ``kiloserve_gateway_worker_scrape_errors_total`` all of the worker's misses);
+a reader that compares two pages' counters (``kiloserve doctor``) reads again when
+either page misses one.
 """
 
 from __future__ import annotations
@@ -151,13 +154,17 @@ class WorkerMetrics:
             texts = await asyncio.gather(*(self._one(session, p) for _, p in siblings))
         pages = [(self.worker, own)]
         for (w, _), text in zip(siblings, texts, strict=True):
-            if text is None:
-                self.num_errors += 1
-            else:
+            if text is not None:
                 pages.append((w, text))
+        missing = len(siblings) + 1 - len(pages)
+        self.num_errors += missing
         errors = (
             "# HELP kiloserve_gateway_worker_scrape_errors sibling workers whose page was "
             "missing from a merged /metrics\n# TYPE kiloserve_gateway_worker_scrape_errors "
             f"counter\nkiloserve_gateway_worker_scrape_errors_total {self.num_errors}\n"
+            "# HELP kiloserve_gateway_worker_pages_missing sibling workers missing from this "
+            "page (its counters are short by theirs)\n"
+            "# TYPE kiloserve_gateway_worker_pages_missing gauge\n"
+            f"kiloserve_gateway_worker_pages_missing {missing}\n"
         )
         return merge_pages(pages) + errors

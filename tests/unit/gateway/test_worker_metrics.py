@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import socket
+
 from prometheus_client.parser import text_string_to_metric_families
 
-from kiloserve.gateway.worker_metrics import merge_pages
+from kiloserve.gateway.worker_metrics import WorkerMetrics, merge_pages
 
 PAGE = """# HELP reqs_total requests
 # TYPE reqs_total counter
@@ -65,3 +67,22 @@ def test_gauges_of_the_shared_view_appear_once() -> None:
     ]
     assert got[("kiloserve_gateway_registry_up", (("worker", "1"),))] == 1
     assert got[("kiloserve_gateway_registry_up", (("worker", "0"),))] == 0
+
+
+async def test_a_page_says_how_many_siblings_it_lacks() -> None:
+    """A sibling that does not answer is left out of the page, and the page says so
+    (``worker_pages_missing``): a reader comparing two pages' counters reads again."""
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))  # bound, never listening: connection refused
+    port = dead.getsockname()[1]
+    try:
+        metrics = WorkerMetrics(0, lambda: [(0, 1), (1, port)], timeout_s=0.5)
+        got = _samples(await metrics.render(PAGE % (3, 2, 1, 3, 3)))
+        assert got[("reqs_total", (("backend", "a"), ("status", "200")))] == 3
+        assert got[("kiloserve_gateway_worker_pages_missing", ())] == 1
+        assert got[("kiloserve_gateway_worker_scrape_errors_total", ())] == 1
+        alone = WorkerMetrics(0, lambda: [(0, 1)])
+        got = _samples(await alone.render(PAGE % (3, 2, 1, 3, 3)))
+        assert got[("kiloserve_gateway_worker_pages_missing", ())] == 0
+    finally:
+        dead.close()
