@@ -19,6 +19,8 @@ from aiohttp import web
 from test_gateway_fakes import admin_backends, gateway_config, post_faults, running_gateway
 from test_gateway_twins import MODEL, twins
 
+from local_app import serve_app
+
 FAST_HEALTH = {
     "interval_s": 0.3,
     "recheck_interval_s": 0.1,
@@ -203,15 +205,8 @@ async def _dying_backend() -> AsyncIterator[str]:
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", ok)
     app.router.add_get("/health", ok)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with serve_app(app) as url:
+        yield url
 
 
 async def test_stream_cut_mid_way_ends_with_an_sse_error_event() -> None:

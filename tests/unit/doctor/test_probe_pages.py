@@ -9,6 +9,7 @@ import pytest
 from aiohttp import web
 
 from kiloserve.doctor.probe import collect
+from local_app import serve_app
 
 PAGE = (
     "# TYPE kiloserve_gateway_requests_total counter\n"
@@ -45,15 +46,8 @@ async def gateway() -> AsyncIterator[tuple[str, list[str]]]:
     app.router.add_get("/admin/backends", backends)
     app.router.add_get("/admin/config", config)
     app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        yield f"http://127.0.0.1:{port}", served
-    finally:
-        await runner.cleanup()
+    async with serve_app(app) as url:
+        yield url, served
 
 
 async def test_a_page_short_of_a_worker_is_read_again(gateway: tuple[str, list[str]]) -> None:

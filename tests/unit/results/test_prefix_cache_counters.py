@@ -29,6 +29,7 @@ from kiloserve.results.records import BenchResult, ClientStats
 from kiloserve.results.tables import summary_markdown
 from kiloserve.routing.engine_metrics import EngineMetrics, parse_engine_metrics
 from kiloserve.routing.table import BackendTable
+from local_app import serve_app
 
 DATA = Path(__file__).resolve().parents[2] / "data" / "metrics"
 
@@ -146,14 +147,8 @@ async def _serve(
 ) -> AsyncIterator[str]:
     app = web.Application()
     app.router.add_get("/metrics", handler)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
+    async with serve_app(app) as url:
+        yield url
 
 
 def _gateway_page(queries: float, hits: float, age_s: float) -> str:
