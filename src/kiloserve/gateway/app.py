@@ -392,8 +392,13 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    is_ready = request.app[TABLE_KEY].is_ready()
-    return _json({"ready": is_ready}, status=200 if is_ready else 503)
+    doc: dict[str, object] = {"ready": request.app[TABLE_KEY].is_ready()}
+    siblings = request.app.get(WORKER_METRICS_KEY)  # --workers N: ready when all of them are
+    if doc["ready"] and siblings is not None and request.query.get("local") != "1":
+        waiting = await siblings.not_ready()
+        if waiting:
+            doc = {"ready": False, "workers_not_ready": waiting}
+    return _json(doc, status=200 if doc["ready"] else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -142,14 +142,16 @@ async def serve(
     await runner.setup()
     watch = None if supervisor is None else asyncio.create_task(watch_supervisor(supervisor, stop))
     try:
-        reuse = True if worker is not None else None  # SO_REUSEPORT beside the peers
-        site = web.TCPSite(runner, cfg.host, cfg.port, reuse_port=reuse)
-        await site.start()
-        if shared is not None:  # a private port: this worker's own /metrics for siblings
+        if shared is not None:  # a private port: this worker's own pages for siblings,
+            # published before the shared port listens (a sibling's /ready counts it then)
             private = web.TCPSite(runner, "127.0.0.1", 0)
             await private.start()
             shared.set_port(runner.addresses[-1][1])
-        host, port = runner.addresses[0][:2]
+        first = len(runner.addresses)
+        reuse = True if worker is not None else None  # SO_REUSEPORT beside the peers
+        site = web.TCPSite(runner, cfg.host, cfg.port, reuse_port=reuse)
+        await site.start()
+        host, port = runner.addresses[first][:2]
         url = f"http://{host}:{port}"
         who = "kiloserve gateway" if worker is None else f"kiloserve gateway worker {worker}"
         logger.info("%s listening on %s", who, url)

@@ -116,8 +116,10 @@ class WorkerMetrics:
         sibling_ports: Callable[[], list[tuple[int, int]]],
         token: str | None = None,
         timeout_s: float = 1.0,
+        workers: int = 0,
     ) -> None:
         self.worker = worker
+        self.workers = workers  # how many the supervisor starts (0: only those published)
         self._ports = sibling_ports
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -147,6 +149,32 @@ class WorkerMetrics:
             docs = await asyncio.gather(*(self._json(session, p, path) for p in siblings))
         self.num_errors += sum(1 for d in docs if d is None)
         return [d for d in docs if d is not None]
+
+    async def not_ready(self, timeout_s: float = 0.5) -> list[int]:
+        """The siblings not ready: those that have not started listening yet (of
+        ``workers``: they will take requests soon, with whatever backends they have
+        then) and those that do not answer ``GET /ready?local=1`` with 200 within
+        ``timeout_s``. A sibling that refuses the connection has stopped listening, on
+        the shared port too (a dead worker that the supervisor replaces), so it gets no
+        requests and is left out."""
+        siblings = [(w, p) for w, p in self._ports() if w != self.worker and p > 0]
+        published = {w for w, _ in siblings}
+        unstarted = [w for w in range(self.workers) if w != self.worker and w not in published]
+
+        async def ready(session: aiohttp.ClientSession, port: int) -> bool | None:
+            try:
+                async with session.get(f"http://127.0.0.1:{port}/ready?local=1") as resp:
+                    return resp.status == 200
+            except aiohttp.ClientConnectorError:
+                return None  # not listening
+            except (aiohttp.ClientError, TimeoutError, OSError):
+                return False
+
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            got = await asyncio.gather(*(ready(session, p) for _, p in siblings))
+        late = [w for (w, _), ok in zip(siblings, got, strict=True) if ok is False]
+        return sorted(unstarted + late)
 
     async def render(self, own: str) -> str:
         siblings = [(w, p) for w, p in self._ports() if w != self.worker and p > 0]

@@ -265,7 +265,9 @@ def attach_worker(
     else:
         table.shared = shared
     shared.resync(table.state_or_none)  # the siblings' counts (no peers yet)
-    app[WORKER_METRICS_KEY] = WorkerMetrics(worker, shared.ports, cfg.metrics_token)
+    app[WORKER_METRICS_KEY] = WorkerMetrics(
+        worker, shared.ports, cfg.metrics_token, workers=shared.layout.workers
+    )
     app[DASHBOARD_SIBLINGS_KEY] = app[WORKER_METRICS_KEY]
     app[SCRAPE_SHARE_KEY] = (shared, worker == 0)
     verdicts = SharedVerdicts(shared)
