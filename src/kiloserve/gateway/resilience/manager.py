@@ -184,6 +184,21 @@ class Resilience:
             logger.info("backend %s passes its health probes again", backend_id)
             self._veto(backend_id, PROBE_VETO, False)
 
+    def _probed_elsewhere(self, backend_id: str) -> bool:
+        """True while another worker (worker 0) probes ``backend_id`` for this one; its
+        verdict then stands for this worker's own probe: while it passes (no sibling
+        reports a probe failure), a half-open breaker of this worker closes as on a
+        passing probe of its own. Without this, an ejection by a worker that does not
+        probe stayed half-open until that worker's next request, held out by every
+        worker meanwhile: with no traffic, or with little, for good."""
+        if self.probed_elsewhere is None or not self.probed_elsewhere(backend_id):
+            return False
+        rec = self.table.record_or_none(backend_id)
+        passing = rec is not None and PEER_PROBE_VETO not in rec.vetoes
+        if passing and self.outlier.on_probe_success(backend_id, time.monotonic()):
+            self._veto(backend_id, EJECT_VETO, False)
+        return True
+
     # -- verdicts shared with sibling workers -----------------------------------------
     def _veto(self, backend_id: str, reason: str, is_on: bool) -> None:
         self.table.set_veto(backend_id, reason, is_on)
@@ -273,7 +288,7 @@ class Resilience:
         if self.cfg.health.enabled:
             self._prober = Prober(self.cfg.health, session, self._target, self._on_probe, rng)
             self._prober.tracker = self.probes
-            self._prober.skip = self.probed_elsewhere
+            self._prober.skip = self._probed_elsewhere
         self._task = asyncio.create_task(self._run())
 
     async def close(self) -> None:

@@ -169,3 +169,33 @@ def test_flags_and_factors_combine_over_the_other_workers() -> None:
         for load in loads:
             load.close()
         owner.close()
+
+
+def test_worker_0s_passing_probes_close_a_half_open_breaker_of_a_worker_that_skips_them(
+    workers: tuple[Resilience, Resilience],
+) -> None:
+    """Worker 1 ejected the backend and leaves its probes to worker 0: when the ejection
+    is over and worker 0's probes pass, worker 1's breaker closes at its probe turn, as
+    on a passing probe of its own. Before, it stayed half-open until a request reached
+    worker 1, and every worker held the backend out meanwhile (with no traffic, for
+    good: the chaos drills' "cluster did not settle")."""
+    w0, w1 = workers
+    w1.probed_elsewhere = lambda _b: True
+    _eject(w1, "a")
+    w0.tick(time.monotonic())
+    assert not w0.table.state("a").healthy  # held out by worker 0 too
+    assert w1._probed_elsewhere("a")  # its ejection not over yet: stays
+    assert EJECT_VETO in w1.table.record("a").vetoes
+    w1.outlier.tick(time.monotonic() + 3600)  # half-open
+    for _ in range(w0.cfg.health.unhealthy_threshold):  # worker 0's probes fail now
+        w0._on_probe("a", False, "connect", time.monotonic())
+    w1.tick(time.monotonic())
+    assert w1._probed_elsewhere("a")
+    assert EJECT_VETO in w1.table.record("a").vetoes  # a failing probe closes nothing
+    for _ in range(w0.cfg.health.healthy_threshold):  # they pass again
+        w0._on_probe("a", True, "", time.monotonic())
+    w1.tick(time.monotonic())
+    assert w1._probed_elsewhere("a")
+    assert EJECT_VETO not in w1.table.record("a").vetoes
+    w0.tick(time.monotonic())
+    assert w0.table.state("a").healthy and w1.table.state("a").healthy
