@@ -141,10 +141,14 @@ class WorkerMetrics:
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
             return None
 
+    def _siblings(self) -> list[tuple[int, int]]:
+        """``(worker, private port)`` of every other worker that published one."""
+        return [(w, p) for w, p in self._ports() if w != self.worker and p > 0]
+
     async def sibling_json(self, path: str) -> list[Any]:
         """Every sibling's own JSON answer at ``path`` (``?local=1``); those that do not
         answer within ``timeout_s`` are left out (and counted in ``num_errors``)."""
-        siblings = [p for w, p in self._ports() if w != self.worker and p > 0]
+        siblings = [p for _, p in self._siblings()]
         async with aiohttp.ClientSession(timeout=self._timeout) as session:
             docs = await asyncio.gather(*(self._json(session, p, path) for p in siblings))
         self.num_errors += sum(1 for d in docs if d is None)
@@ -157,7 +161,7 @@ class WorkerMetrics:
         ``timeout_s``. A sibling that refuses the connection has stopped listening, on
         the shared port too (a dead worker that the supervisor replaces), so it gets no
         requests and is left out."""
-        siblings = [(w, p) for w, p in self._ports() if w != self.worker and p > 0]
+        siblings = self._siblings()
         published = {w for w, _ in siblings}
         unstarted = [w for w in range(self.workers) if w != self.worker and w not in published]
 
@@ -177,14 +181,12 @@ class WorkerMetrics:
         return sorted(unstarted + late)
 
     async def render(self, own: str) -> str:
-        siblings = [(w, p) for w, p in self._ports() if w != self.worker and p > 0]
+        siblings = self._siblings()
         async with aiohttp.ClientSession(timeout=self._timeout) as session:
             texts = await asyncio.gather(*(self._one(session, p) for _, p in siblings))
         pages = [(self.worker, own)]
-        for (w, _), text in zip(siblings, texts, strict=True):
-            if text is not None:
-                pages.append((w, text))
-        missing = len(siblings) + 1 - len(pages)
+        pages += [(w, t) for (w, _), t in zip(siblings, texts, strict=True) if t is not None]
+        missing = texts.count(None)
         self.num_errors += missing
         errors = (
             "# HELP kiloserve_gateway_worker_scrape_errors sibling workers whose page was "
