@@ -22,6 +22,18 @@ keys give equal ids in every process and distinct keys collide with probability
 ~2^-32 per pair (the twin's real text shares a leading 16-token chunk between distinct
 blocks with probability 2^-16; both are negligible). Ids are opaque ints below 2^32,
 not vocabulary ids.
+
+**Unread ids** (``PromptIds(..., unread_for=block_size)``, what the simulator asks
+for): a ``SimSequence`` of that block size never reads the ids of a unique tail (its
+blocks hash from ``unique_key``) nor those of a keyed run other than a prompt's last
+one (full run blocks hash from the run's key; only a partial block after the runs is
+hashed from ids, and it lies in the last run). Those ids are then ``UNREAD`` (one
+shared int object) instead of pool ids: the list has the prompt's length and every id
+that is read, at a fraction of the cost (no pool slice touching thousands of distinct
+int objects, no matching decrefs when it is freed: a Mooncake prompt's ~13,000 ids were
+about a tenth of a simulated request's cost). Session prompts keep every id (a turn's
+text is read again as the next turn's prefix). ``tests/unit/sim/test_sim_unread_ids.py``
+checks that every block hash and prefix hash is the same either way.
 """
 
 from __future__ import annotations
@@ -38,9 +50,10 @@ from kiloserve.workload.prompts import BLOCK_TOKENS
 from kiloserve.workload.sessions import parse_sessions
 from kiloserve.workload.synthetic import parse_prefix_groups
 
-__all__ = ["RUN_TOKENS", "IdPool", "Prompt", "PromptIds", "run_key"]
+__all__ = ["RUN_TOKENS", "UNREAD", "IdPool", "Prompt", "PromptIds", "run_key"]
 
 RUN_TOKENS = BLOCK_TOKENS  # tokens of a Mooncake hash id: the length of a keyed run
+UNREAD = 0  # the id of a token whose id no simulated engine reads (module docstring)
 
 POOL_SIZE = 1 << 18
 _POOL_BASE = 1 << 31  # above the 32-bit first ids' typical range; all ids < 2^32
@@ -133,8 +146,20 @@ class IdPool:
 class PromptIds:
     """Maps each ``RequestSpec`` of one workload to its prompt token ids."""
 
-    def __init__(self, workload: Workload, traces_dir: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        workload: Workload,
+        traces_dir: str | Path | None = None,
+        *,
+        unread_for: int | None = None,
+    ) -> None:
+        """``unread_for``: the block size of the ``SimSequence`` these prompts feed; ids
+        it never reads are then ``UNREAD`` (module docstring). None: every id."""
         text = workload.params.get("spec")
+        # unique tails: their blocks hash from unique_key whatever the block size
+        self._unread_tails = unread_for is not None
+        # keyed runs but a prompt's last: hashed from their keys when the size divides them
+        self._unread_runs = unread_for is not None and RUN_TOKENS % unread_for == 0
         self._kind = ""
         self._seed = workload.seed
         self._prefix_tokens = 0
@@ -188,7 +213,10 @@ class PromptIds:
             return Prompt(ids, None, 0, run_keys, len(ids) if run_keys else 0, private_from)
         key_hash = _key_hash(self._unique_name(spec.request_id))
         unique_from = len(ids)
-        tail = self._pool.hashed_run_ids(key_hash, num_tokens - unique_from)
+        if self._unread_tails:  # hashed from unique_key: no id of it is read
+            tail = [UNREAD] * (num_tokens - unique_from)
+        else:
+            tail = self._pool.hashed_run_ids(key_hash, num_tokens - unique_from)
         if unique_from:
             ids += tail
         else:
@@ -213,7 +241,8 @@ class PromptIds:
         then pool ids from the key's offset on. Keys are cached per hash id for the
         current pass (requests that share a prefix share its hash ids, and a blake2b
         hash costs more than the rest of the run); a new pass starts a new cache, so
-        a trace repeated many times holds one pass's keys at most.
+        a trace repeated many times holds one pass's keys at most. With unread runs
+        (``unread_for``) a run is ``UNREAD`` ids unless it ends the prompt.
         """
         index = _trailing_int(spec.request_id)
         hash_ids = self._hash_ids.get(index, ()) if index is not None else ()
@@ -228,6 +257,7 @@ class PromptIds:
         left = num_tokens
         num_rows = self._num_rows
         private_from = None
+        unread_runs = self._unread_runs
         for h in hash_ids:
             if left <= 0:
                 break
@@ -238,7 +268,9 @@ class PromptIds:
                 key = cache[h] = _key_hash(f"m/{h}" if k == 0 else f"m/{h}/r{k}")
             keys.append(key)
             rest = min(RUN_TOKENS, left) - 1
-            if rest > half:  # a pool too small for a run (never with POOL_SIZE)
+            if unread_runs and left > RUN_TOKENS:  # not the prompt's last run: unread
+                ids += [UNREAD] * (rest + 1)
+            elif rest > half:  # a pool too small for a run (never with POOL_SIZE)
                 ids += self._pool.hashed_run_ids(key, rest + 1)
             else:
                 ids.append(key & 0xFFFF_FFFF)  # the run's first id

@@ -28,6 +28,7 @@ from kiloserve.sim.kvevents import SimKvEvents
 from kiloserve.sim.lora import SimLora, SimLoraSpec
 from kiloserve.sim.prompts import PromptIds
 from kiloserve.sim.results import MetricsCollector, TimeSeries
+from kiloserve.sim.sequence import BLOCK_SIZE
 from kiloserve.sim.simulator import Simulator
 from kiloserve.workload import RequestSpec, Workload
 from kiloserve.workload.digest import WorkloadDigest
@@ -181,7 +182,7 @@ def _build(cluster: ClusterConfig, workload: Workload, policy: Policy, opts: _Op
         backends,
         gateway,
         _digesting(iter(workload), digest),
-        PromptIds(workload, opts.traces_dir),
+        PromptIds(workload, opts.traces_dir, unread_for=BLOCK_SIZE),  # ids nobody reads: 0
         metrics,
         models=ModelPicker(dict(pool_gpu_shares(infos)), opts.model, opts.seed),
         network_delay_s=opts.network_delay_s,

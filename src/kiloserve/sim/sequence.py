@@ -42,7 +42,9 @@ from __future__ import annotations
 from kiloserve.engine.sequence import Sequence
 from kiloserve.workload.prompts import BLOCK_TOKENS
 
-__all__ = ["RUN_INDEX_BITS", "RUN_TOKENS", "UNIQUE_INDEX_BITS", "SimSequence"]
+__all__ = ["BLOCK_SIZE", "RUN_INDEX_BITS", "RUN_TOKENS", "UNIQUE_INDEX_BITS", "SimSequence"]
+
+BLOCK_SIZE = 16  # the simulator's sequences' block size (its engines must match: core.py)
 
 UNIQUE_INDEX_BITS = 24  # block indices below 2^24 (268 M tokens at 16 per block)
 RUN_TOKENS = BLOCK_TOKENS  # a keyed run's length (a Mooncake hash id's 512 tokens)
@@ -66,7 +68,7 @@ class SimSequence(Sequence):
         max_tokens: int,
         arrival_s: float = 0.0,
         *,
-        block_size: int = 16,
+        block_size: int = BLOCK_SIZE,
         unique_key: int | None = None,
         unique_from: int = 0,
         run_keys: tuple[int, ...] = (),
