@@ -469,7 +469,7 @@ async def _on_startup(app: web.Application) -> None:
     if trim is not None:
         tasks.append(asyncio.create_task(trim_loop(cfg.malloc_trim_interval_s, trim)))
     app[RESILIENCE_KEY].start(session, random.Random(cfg.seed))
-    registry_task = start_registry(cfg, ctx.table, ctx.metrics)
+    registry_task = start_registry(cfg, ctx.table, ctx.metrics, share[0] if share else None)
     if registry_task is not None:
         tasks.append(registry_task)
     app[KV_EVENTS_KEY].start()

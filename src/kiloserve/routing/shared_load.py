@@ -23,7 +23,11 @@ They live in one shared-memory segment (``multiprocessing.shared_memory``):
   of its **prefix placements** (``routing.shared_prefixes``), and the head of each of
   its admission queues (``gateway/admission/shared_queue.py``);
 * the **LoRA log** of adapter loads and claims (JSON under the lock, with a version
-  word read without it: ``gateway/lora_shared.py``).
+  word read without it: ``gateway/lora_shared.py``);
+* the **registry view**: the etcd registry's records as last seen by a worker (JSON
+  under the lock, ``key -> record``), so a worker that starts while etcd is down (one
+  that replaces a dead worker) routes to the backends its siblings know
+  (``gateway/registry/watch.py``).
 
 ``publish`` records this worker's change (called by the table right after the
 accounting changed its own state, with the exact delta it applied). ``pull`` applies
@@ -49,18 +53,18 @@ requests against the shared budget, in one order across workers:
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kiloserve.policies.accounting import SAMPLE_KINDS, note_sample
 from kiloserve.routing.engine_metrics import EngineMetrics
 from kiloserve.routing.file_lock import FileLock
+from kiloserve.routing.shared_json import JsonAreas
 
 if TYPE_CHECKING:
     from kiloserve.policies.base import BackendState
@@ -90,7 +94,8 @@ FIELDS = (
 )
 _NF = len(FIELDS)
 _MAGIC = 0x4B494C4F4C4F4144  # "KILOLOAD"
-_HEADER = 8  # magic, workers, slots, ring, admin version, bucket bytes, prefix ring, lora
+_HEADER = 9  # magic, workers, slots, ring, admin version, bucket bytes, prefix ring, lora,
+# registry bytes
 _NAME_BYTES = 248
 _NAME_WORDS = 1 + _NAME_BYTES // 8  # length word + utf-8 bytes
 _ENTRY = 3  # slot, field, delta
@@ -116,6 +121,7 @@ class LoadLayout:
     bucket_bytes: int = 1 << 20  # the rate-limit buckets (JSON, under the lock)
     prefix_ring: int = 1 << 18  # words per worker for its prefix placements
     lora_bytes: int = 1 << 16  # the LoRA log (JSON, under the lock)
+    registry_bytes: int = 1 << 20  # the registry view (JSON, under the lock)
 
     @property
     def names_at(self) -> int:
@@ -169,8 +175,12 @@ class LoadLayout:
         return self.queues_at + self.workers * self.slots * QUEUE_WORDS
 
     @property
-    def words(self) -> int:
+    def registry_at(self) -> int:  # length, then the JSON bytes
         return self.lora_at + 2 + self.lora_bytes // 8
+
+    @property
+    def words(self) -> int:
+        return self.registry_at + 1 + self.registry_bytes // 8
 
 
 def _buf(shm: shared_memory.SharedMemory) -> memoryview:
@@ -180,7 +190,7 @@ def _buf(shm: shared_memory.SharedMemory) -> memoryview:
     return buf
 
 
-class SharedLoad:
+class SharedLoad(JsonAreas):
     """One worker's handle on the segment (see the module docstring).
 
     ``create`` makes the segment (the supervisor); ``attach`` opens it in a worker.
@@ -227,6 +237,7 @@ class SharedLoad:
         q[5] = layout.bucket_bytes
         q[6] = layout.prefix_ring
         q[7] = layout.lora_bytes
+        q[8] = layout.registry_bytes
         q[0] = _MAGIC
         q.release()
         return cls(shm, layout, -1, lock, owner=True)
@@ -247,7 +258,7 @@ class SharedLoad:
             raise ValueError(f"shared memory {name!r} is not a kiloserve load segment")
         layout = LoadLayout(
             workers=q[1], slots=q[2], ring=q[3], bucket_bytes=q[5], prefix_ring=q[6],
-            lora_bytes=q[7],
+            lora_bytes=q[7], registry_bytes=q[8],
         )  # fmt: skip
         q.release()
         if not 0 <= worker < layout.workers:
@@ -534,46 +545,6 @@ class SharedLoad:
             prefix_hits_tokens=f[7],
         )
         return outcome, t, metrics, reason
-
-    # -- JSON under the lock: rate-limit buckets, the LoRA log ------------------------
-    @contextmanager
-    def buckets(self) -> Iterator[dict[str, list[float]]]:
-        """Every worker's rate-limit buckets (``key -> [level, updated_s, capacity]``), under the
-        lock: changes to the dict are written back when the block ends. Times are
-        ``time.monotonic()``, one clock for every process of the host."""
-        with self._json(self.layout.buckets_at, self.layout.bucket_bytes, "rate-limit") as got:
-            yield got
-
-    @property
-    def lora_version(self) -> int:
-        """Bumped by every change of the LoRA log (read without the lock)."""
-        return self._q[self.layout.lora_at]
-
-    @contextmanager
-    def lora_doc(self) -> Iterator[dict[str, Any]]:
-        """The LoRA log (``gateway/lora_shared.py``) under the lock, written back (and
-        ``lora_version`` bumped) when the block changed it."""
-        at = self.layout.lora_at
-        with self._json(at + 1, self.layout.lora_bytes, "LoRA", version_at=at) as got:
-            yield got
-
-    @contextmanager
-    def _json(self, at: int, limit: int, what: str, version_at: int = -1) -> Iterator[Any]:
-        with self._lock:
-            n = self._q[at]
-            raw = bytes(self._raw[(at + 1) * 8 : (at + 1) * 8 + n]) if n > 0 else b"{}"
-            got = json.loads(raw)
-            yield got
-            out = json.dumps(got, separators=(",", ":")).encode()
-            if out == raw:
-                return
-            if len(out) > limit:
-                logger.warning("shared %s JSON over %d bytes: starting afresh", what, limit)
-                out = b"{}"
-            self._raw[(at + 1) * 8 : (at + 1) * 8 + len(out)] = out
-            self._q[at] = len(out)
-            if version_at >= 0:
-                self._q[version_at] += 1
 
     # -- drains ----------------------------------------------------------------------
     def set_draining(self, backend_id: str, draining: bool) -> None:

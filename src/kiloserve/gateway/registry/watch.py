@@ -6,6 +6,13 @@ each put / delete as it comes. When etcd cannot be reached the table keeps the l
 known set, ``kiloserve_gateway_registry_up`` drops to 0 and a warning is logged once
 per outage; the loop retries every ``retry_interval_s`` and resyncs when etcd is back.
 Backends from the static ``backends:`` list are never removed by the registry.
+
+With several workers (``--workers N``) each worker follows etcd itself and also writes
+the records it applied to the shared segment's registry view
+(``SharedLoad.registry_doc``). A worker starts from that view (the records its
+siblings saw last) before its first etcd read, so a worker that replaces a dead one
+while etcd is down routes to the same backends as its siblings instead of none; its
+first successful read replaces the view's records as a resync does.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from kiloserve.gateway.config import GatewayConfig
 from kiloserve.gateway.metrics import PREFIX, GatewayMetrics
 from kiloserve.gateway.registry.etcd import EtcdClient, WatchEvent
 from kiloserve.gateway.registry.record import decode_record
+from kiloserve.routing.shared_load import SharedLoad
 from kiloserve.routing.table import BackendTable
 
 __all__ = ["RegistryWatcher", "start_registry"]
@@ -35,11 +43,15 @@ logger = logging.getLogger(__name__)
 class RegistryWatcher:
     """Applies the etcd prefix to ``table``; ``is_up`` says whether etcd answers."""
 
-    def __init__(self, cfg: GatewayConfig, table: BackendTable) -> None:
+    def __init__(
+        self, cfg: GatewayConfig, table: BackendTable, shared: SharedLoad | None = None
+    ) -> None:
         self.cfg = cfg.registry
         self.table = table
+        self.shared = shared  # the workers' segment: its registry view (module docstring)
         self._static = {b.backend_id for b in cfg.backends}
         self._key_to_id: dict[str, str] = {}
+        self._records: dict[str, str] = {}  # key -> the record applied, as the view holds it
         self.is_up = False
         self.num_errors = 0
         self.num_updates = 0
@@ -59,6 +71,7 @@ class RegistryWatcher:
         if old is not None and old != backend_id:
             self.table.remove_backend(old)
         self._key_to_id[key] = backend_id
+        self._records[key] = raw.decode()
         self.table.add_backend(record.backend)
         state = self.table.state(backend_id)
         if state.draining != record.is_draining:
@@ -66,6 +79,7 @@ class RegistryWatcher:
         self.num_updates += 1
 
     def _apply_delete(self, key: str) -> None:
+        self._records.pop(key, None)
         backend_id = self._key_to_id.pop(key, None)
         if backend_id is not None:
             self.table.remove_backend(backend_id)
@@ -84,6 +98,27 @@ class RegistryWatcher:
         for key, raw in kvs.items():
             self._apply_put(key, raw)
 
+    def seed_from_siblings(self) -> int:
+        """Apply the shared registry view (before the first etcd read); how many records
+        it held (0 without workers or before any worker read etcd)."""
+        if self.shared is None:
+            return 0
+        with self.shared.registry_doc() as view:
+            kvs = {k: v.encode() for k, v in view.items() if isinstance(v, str)}
+        if kvs:
+            self.resync(kvs)
+            logger.info("registry: %d backends from the sibling workers' view", len(kvs))
+        return len(kvs)
+
+    def publish(self) -> None:
+        """Write the records applied to the shared view (the siblings' start point)."""
+        if self.shared is None:
+            return
+        with self.shared.registry_doc() as view:
+            if view != self._records:
+                view.clear()
+                view.update(self._records)
+
     def _mark(self, is_up: bool, why: str = "") -> None:
         if is_up and not self.is_up:
             logger.info("etcd registry reachable: %d backends", len(self._key_to_id))
@@ -98,13 +133,16 @@ class RegistryWatcher:
 
     async def run(self, client: EtcdClient) -> None:
         prefix = self.cfg.prefix
+        self.seed_from_siblings()
         while True:
             try:
                 revision, kvs = await client.get_prefix(prefix)
                 self.resync(kvs)
+                self.publish()
                 self._mark(True)
                 async for event in client.watch_prefix(prefix, revision + 1):
                     self.apply(event)
+                    self.publish()
                     self.last_ok_s = time.monotonic()
             except EtcdError as exc:
                 self._mark(False, str(exc))
@@ -127,14 +165,18 @@ class _RegistryCollector(Collector):
 
 
 def start_registry(
-    cfg: GatewayConfig, table: BackendTable, metrics: GatewayMetrics
+    cfg: GatewayConfig,
+    table: BackendTable,
+    metrics: GatewayMetrics,
+    shared: SharedLoad | None = None,
 ) -> asyncio.Task[None] | None:
-    """Start following etcd when ``registry.kind`` is ``etcd``; None for the static list."""
+    """Start following etcd when ``registry.kind`` is ``etcd``; None for the static list.
+    ``shared``: the workers' segment (``--workers N``), for its registry view."""
     if cfg.registry.kind != "etcd":
         return None
     if not cfg.registry.etcd:
         raise ConfigError("registry.kind is etcd but registry.etcd lists no endpoints")
-    watcher = RegistryWatcher(cfg, table)
+    watcher = RegistryWatcher(cfg, table, shared)
     metrics.registry.register(_RegistryCollector(watcher))
 
     async def main() -> None:
