@@ -21,6 +21,10 @@ Targets (issue 3): <= 150 us CPU per request, <= 10 us per chunk, added p50 <= 1
 issue 16: <= 100 us per request with the default policy, and with ``--workers 2``
 >= 1.3x one worker's max requests/s at CPU per request within 10% of one worker's.
 ``--tracing`` adds a gateway with OpenTelemetry tracing on (``gw-tracing``; issue 18).
+``--before-src DIR`` adds the gateway of another source tree (``gw-before``: ``git
+worktree add /tmp/before REV``; run with ``PYTHONPATH=DIR/src``, one process, the same
+config) and prints the CPU ratios per request and per chunk to it: issue 16's "per
+streamed chunk no worse than before", measured in one run.
 
 ``gateway`` is one process (``--workers 1``, uvloop where installed), ``gw-asyncio`` the
 same on asyncio's loop (unless ``--no-loop-baseline``); ``--workers 2`` adds a row whose
@@ -56,6 +60,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from overhead_report import report
 from peer_routers import find_routers, nginx_conf, wait_ready
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -364,86 +369,6 @@ async def measure(target: Target, args: argparse.Namespace) -> dict[str, float]:
     return out
 
 
-def verdict(ok: bool) -> str:
-    return "met" if ok else "NOT met"
-
-
-def report(results: dict[str, dict[str, float]]) -> None:
-    direct = results["direct"]
-    print(
-        f"\n{'target':<14}{'p50 ms':>9}{'p99 ms':>9}{'max req/s':>11}{'CPU us/req mod':>16}"
-        f"{'CPU us/req sat':>16}{'CPU us/chunk':>14}{'errors':>8}"
-    )
-    for name, r in results.items():
-        print(
-            f"{name:<14}{r['p50_ms']:>9.3f}{r['p99_ms']:>9.3f}{r['max_rps']:>11.0f}"
-            f"{r.get('cpu_us_moderate', float('nan')):>16.1f}"
-            f"{r.get('cpu_us_saturated', float('nan')):>16.1f}"
-            f"{r.get('cpu_us_per_chunk', float('nan')):>14.2f}{r['errors']:>8.0f}"
-        )
-    gw = results["gateway"]
-    added_p50 = gw["p50_ms"] - direct["p50_ms"]
-    added_p99 = gw["p99_ms"] - direct["p99_ms"]
-    print()
-    print(
-        f"gateway CPU per request (saturated): {gw['cpu_us_saturated']:.1f} us "
-        f"(target <= 150 us: {verdict(gw['cpu_us_saturated'] <= 150)}); "
-        f"at moderate load {gw['cpu_us_moderate']:.1f} us "
-        f"({verdict(gw['cpu_us_moderate'] <= 150)})"
-    )
-    print(
-        f"gateway CPU per relayed chunk: {gw['cpu_us_per_chunk']:.2f} us "
-        f"(target <= 10 us: {verdict(gw['cpu_us_per_chunk'] <= 10)})"
-    )
-    print(
-        f"added latency at moderate load: p50 {added_p50:.3f} ms "
-        f"(target <= 1 ms: {verdict(added_p50 <= 1.0)}), p99 {added_p99:.3f} ms"
-    )
-    print(f"max requests/s: gateway {gw['max_rps']:.0f} vs direct {direct['max_rps']:.0f}")
-    print(
-        f"gateway CPU per request, default policy (issue 16: <= 100 us): "
-        f"{gw['cpu_us_saturated']:.1f} us ({verdict(gw['cpu_us_saturated'] <= 100)})"
-    )
-    base = results.get("gw-asyncio")
-    if base is not None:
-        ratio = gw["cpu_us_saturated"] / base["cpu_us_saturated"]
-        print(
-            f"event loop: default {gw['cpu_us_saturated']:.1f} us/req vs asyncio's "
-            f"{base['cpu_us_saturated']:.1f} ({ratio:.2f}x)"
-            f", {gw['cpu_us_per_chunk']:.2f} vs {base['cpu_us_per_chunk']:.2f} us/chunk, "
-            f"{gw['max_rps']:.0f} vs {base['max_rps']:.0f} req/s "
-            f"({gw['max_rps'] / base['max_rps']:.2f}x)"
-        )
-    for name, r in results.items():
-        if name.startswith("gw-") and name.endswith("w"):
-            speedup = r["max_rps"] / gw["max_rps"]
-            cpu = r["cpu_us_saturated"] / gw["cpu_us_saturated"]
-            print(
-                f"{name}: {r['max_rps']:.0f} req/s vs one worker's {gw['max_rps']:.0f} "
-                f"({speedup:.2f}x, issue 16 target >= 1.3x: {verdict(speedup >= 1.3)}); CPU "
-                f"per request {r['cpu_us_saturated']:.1f} vs {gw['cpu_us_saturated']:.1f} us "
-                f"({cpu:.2f}x, target within 10%: {verdict(cpu <= 1.10)})"
-            )
-    for name in ("nginx", "sglang-router", "vllm-router"):
-        if name not in results:
-            continue
-        ref = results[name]
-        ratio = gw["cpu_us_saturated"] / max(ref["cpu_us_saturated"], 1e-9)
-        chunk_ratio = gw["cpu_us_per_chunk"] / max(ref["cpu_us_per_chunk"], 1e-9)
-        print(
-            f"{name} reference: CPU {ref['cpu_us_saturated']:.1f} us/req, "
-            f"{ref['cpu_us_per_chunk']:.2f} us/chunk, added p50 "
-            f"{ref['p50_ms'] - direct['p50_ms']:.3f} ms, {ref['max_rps']:.0f} req/s; "
-            f"gateway/{name} CPU ratio {ratio:.2f}x per request, {chunk_ratio:.2f}x per chunk"
-        )
-    if "vllm-router" in results:  # issue 16's 100 us is the figure vllm-router reached
-        ratio = gw["cpu_us_saturated"] / max(results["vllm-router"]["cpu_us_saturated"], 1e-9)
-        print(
-            f"issue 16, same run: gateway CPU per request {ratio:.2f}x vllm-router's "
-            f"(the 100 us target is vllm-router's figure: <= 1.00x {verdict(ratio <= 1.0)})"
-        )
-
-
 def start_all(
     args: argparse.Namespace, tmp: Path, procs: list[subprocess.Popen[bytes]]
 ) -> list[Target]:
@@ -470,6 +395,9 @@ def start_all(
         variants.append((f"gw-{args.workers}w", ["--workers", str(args.workers)]))
     if args.tracing:
         variants.append(("gw-tracing", one))
+    if args.before_src is not None:  # an older tree: --workers exists only since issue 16
+        has_workers = (args.before_src / "src/kiloserve/gateway/workers.py").exists()
+        variants.append(("gw-before", one if has_workers else []))
     for name, extra in variants:
         port = free_ports(1)[0]
         gateway_yaml(tmp / f"{name}.yaml", port, backend_ports, args.policy)
@@ -490,7 +418,10 @@ def start_all(
             "WARNING",
             *extra,
         ]
-        gw = subprocess.Popen(gw_cmd, stdout=subprocess.DEVNULL)
+        env = None
+        if name == "gw-before":
+            env = {**os.environ, "PYTHONPATH": str(args.before_src.resolve() / "src")}
+        gw = subprocess.Popen(gw_cmd, stdout=subprocess.DEVNULL, env=env)
         procs.append(gw)
         wait_port(port)
         targets.append(Target(name, [port], gw.pid))
@@ -562,6 +493,12 @@ def main() -> int:
         "one installed of sglang-router, vllm-router: make peer-routers); '' for none",
     )
     ap.add_argument("--peer-policy", default="round_robin", help="their policy (round_robin)")
+    ap.add_argument(
+        "--before-src",
+        type=Path,
+        help="a source tree (e.g. git worktree add /tmp/before REV) whose gateway is measured "
+        "as gw-before, one process, same config: the ratios per request and per chunk",
+    )
     ap.add_argument("--serve-backend", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_backend:

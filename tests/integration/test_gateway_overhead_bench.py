@@ -25,12 +25,14 @@ def test_gateway_overhead_measures_the_gateway_beside_the_peer_routers() -> None
     routers, missing = find_routers()
     cmd = [
         sys.executable, str(REPO / "benchmarks/gateway_overhead.py"), "--num-requests", "200",
-        "--num-streams", "20", "--chunks", "5", "--no-loop-baseline",
+        "--num-streams", "20", "--chunks", "5", "--no-loop-baseline", "--before-src", str(REPO),
     ]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     rows = {m[0]: m for m in ROW.findall(out.stdout)}
-    assert {"direct", "gateway", *(r.name for r in routers)} <= rows.keys(), out.stdout
+    assert {"direct", "gateway", "gw-before", *(r.name for r in routers)} <= rows.keys(), out.stdout
+    assert re.search(r"^against --before-src, same run: CPU per request [\d.]+x, per relayed "
+                     r"chunk [\d.]+x", out.stdout, re.M)  # fmt: skip
     assert all(row[-1] == "0" for row in rows.values()), out.stdout  # no failed request
     for r in routers:
         cpu_per_request = float(rows[r.name][5])
