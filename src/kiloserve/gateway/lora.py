@@ -96,7 +96,10 @@ class LoraManager:
             self.shared.sync(self.placement)
         holders = self.placement.holders(model)
         if holders:
-            self.placement.touch(model, holders, self.clock())
+            now = self.clock()
+            self.placement.touch(model, holders, now)
+            if self.shared is not None:
+                self.shared.touch(model, holders, now)
             return
         pending = self._loading.get(model)
         if pending is not None:
@@ -155,6 +158,8 @@ class LoraManager:
             )  # fmt: skip
 
     async def _make_room(self, backend_id: str) -> None:
+        if self.shared is not None:  # the least recently requested over every worker
+            self.shared.take_uses(self.placement, self.clock())
         for victim in self.placement.victims(backend_id):
             body = {"lora_name": victim}
             status = await self._call(backend_id, "/v1/unload_lora_adapter", body)
@@ -223,6 +228,8 @@ def install_lora(
     async def refresh_forever() -> None:
         while True:
             await manager.refresh_catalog(timeout_s)
+            if manager.shared is not None:  # last requests that no later one flushed
+                manager.shared.flush_uses(manager.clock())
             await asyncio.sleep(interval_s)
 
     async def run(_: web.Application) -> AsyncIterator[None]:

@@ -46,6 +46,13 @@ class LoraPlacement:
         for backend_id in holders:
             self._last_used[(backend_id, name)] = now_s
 
+    def note_used(self, backend_id: str, name: str, when_s: float) -> None:
+        """A request for adapter ``name`` reached ``backend_id`` at ``when_s`` (through a
+        sibling worker: gateway/lora_shared.py); the newer time is kept."""
+        key = (backend_id, name)
+        if when_s > self._last_used.get(key, -1.0):
+            self._last_used[key] = when_s
+
     def pick(self, adapter: Adapter, request_id: str, now_s: float) -> str | None:
         info = RequestInfo(request_id, adapter.base_model, 0, 0)
         decision = self.router.policy.choose(info, self.table.snapshot(now_s), self.router.rng)

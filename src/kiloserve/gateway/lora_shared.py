@@ -19,9 +19,13 @@ this, through the shared segment (``routing.shared_load``, ``SharedLoad.lora_doc
   expiry (the caller's: three load timeouts, for a worker that died loading) is taken
   over.
 
-What each worker still keeps for itself: the adapters' last-request times (the
-least-recently-requested order of unloads is the loading worker's view of its own
-share of the requests).
+* **last-request times**: a worker notes when each (backend, adapter) pair last served
+  one of its requests, and writes what changed to ``used`` (``"backend\tadapter"`` ->
+  time) at most every ``USE_FLUSH_S``; a worker about to unload adapters to make room
+  first takes the siblings' times (the newest per pair), so the least recently
+  requested adapter is the gateway's, not the one this worker's share of the requests
+  used least (before, a worker could unload an adapter busy on its siblings). Times
+  are ``time.monotonic()``, one clock for every process of the host.
 """
 
 from __future__ import annotations
@@ -34,10 +38,12 @@ from typing import Any
 from kiloserve.gateway.lora_placement import LoraPlacement
 from kiloserve.routing.shared_load import SharedLoad
 
-__all__ = ["LOG_SIZE", "POLL_S", "SharedLora"]
+__all__ = ["LOG_SIZE", "POLL_S", "USE_FLUSH_S", "SharedLora"]
 
 LOG_SIZE = 256  # load / unload entries kept (a worker further behind relies on discovery)
 POLL_S = 0.02  # how often a worker waiting on a sibling's load looks again
+USE_FLUSH_S = 1.0  # a worker writes its last-request times at most this often
+USE_KEEP_S = 3600.0  # times older than this leave the shared log (unknown = oldest)
 
 
 class SharedLora:
@@ -52,6 +58,40 @@ class SharedLora:
         self._version = -1  # the log's version last applied
         self._cursor = 0  # the last seq applied
         self.num_waits = 0  # loads left to a sibling that was loading the same adapter
+        self._uses: dict[str, float] = {}  # "backend\tadapter" -> time, not written yet
+        self._flushed_at = -USE_FLUSH_S
+
+    def touch(self, name: str, holders: list[str], now_s: float) -> None:
+        """Note that ``holders`` served a request for adapter ``name`` at ``now_s``;
+        written to the segment at most every ``USE_FLUSH_S`` (one lock a second)."""
+        for backend_id in holders:
+            self._uses[f"{backend_id}\t{name}"] = now_s
+        if now_s - self._flushed_at >= USE_FLUSH_S:
+            self.flush_uses(now_s)
+
+    def flush_uses(self, now_s: float) -> None:
+        """Write this worker's unwritten last-request times (the newer of two wins)."""
+        self._flushed_at = now_s
+        if not self._uses:
+            return
+        with self.shared.lora_doc() as doc:
+            used: dict[str, float] = doc.setdefault("used", {})
+            for key, t in self._uses.items():
+                if t > used.get(key, -1.0):
+                    used[key] = t
+            for key in [k for k, t in used.items() if now_s - t > USE_KEEP_S]:
+                del used[key]  # a pair no request named for an hour (or one gone)
+        self._uses.clear()
+
+    def take_uses(self, placement: LoraPlacement, now_s: float) -> None:
+        """Apply every worker's last-request times to ``placement`` (before choosing
+        which adapters to unload): the newest time per pair wins."""
+        self.flush_uses(now_s)
+        with self.shared.lora_doc() as doc:
+            used = dict(doc.get("used", {}))
+        for key, t in used.items():
+            backend_id, _, name = key.partition("\t")
+            placement.note_used(backend_id, name, float(t))
 
     def sync(self, placement: LoraPlacement) -> None:
         """Apply the siblings' loads and unloads this worker has not seen."""
@@ -68,8 +108,13 @@ class SharedLora:
             self._cursor = max(self._cursor, seq)
 
     def record(self, backend_id: str, name: str, *, held: bool) -> None:
-        """Log a load (``held``) or an unload this worker made (already applied here)."""
+        """Log a load (``held``) or an unload this worker made (already applied here);
+        an unload also drops the pair's last-request time."""
+        key = f"{backend_id}\t{name}"
         with self.shared.lora_doc() as doc:
+            if not held:
+                doc.get("used", {}).pop(key, None)
+                self._uses.pop(key, None)
             seq = int(doc.get("seq", 0)) + 1
             doc["seq"] = seq
             events = doc.get("events", [])[-(LOG_SIZE - 1) :]

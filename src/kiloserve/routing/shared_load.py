@@ -120,7 +120,7 @@ class LoadLayout:
     ring: int = 65536
     bucket_bytes: int = 1 << 20  # the rate-limit buckets (JSON, under the lock)
     prefix_ring: int = 1 << 18  # words per worker for its prefix placements
-    lora_bytes: int = 1 << 16  # the LoRA log (JSON, under the lock)
+    lora_bytes: int = 1 << 20  # the LoRA log and last-request times (JSON, under the lock)
     registry_bytes: int = 1 << 20  # the registry view (JSON, under the lock)
 
     @property

@@ -108,3 +108,30 @@ async def test_a_claim_older_than_its_expiry_is_taken_over(segment: list[SharedL
     s0.release("ad1")  # not its claim any more: left alone
     with segment[1].lora_doc() as doc:
         assert doc["loading"]["ad1"][0] == 1
+
+
+def test_unloads_follow_the_gateways_last_requests_not_one_workers(
+    segment: list[SharedLoad],
+) -> None:
+    """Backend b holds two adapters and room for two: loading a third unloads the least
+    recently requested. Worker 1 saw ad1 long ago and ad2 later; worker 0 served ad1
+    since: ad2 must go (worker 1's own view alone would unload ad1, busy on worker 0)."""
+    clock = _Clock()
+    p0, p1 = _placement(), _placement()
+    for p in (p0, p1):
+        p.max_adapters_per_backend = 2
+        p.catalog["ad2"] = Adapter("ad2", "/a/ad2", "base")
+        for name in ("ad1", "ad2"):
+            p.set_held("b", name, is_held=True, now_s=0.0)
+    s0, s1 = SharedLora(segment[0], 0, clock), SharedLora(segment[1], 1, clock)
+    for when, shared, p, name in ((1.0, s1, p1, "ad1"), (5.0, s1, p1, "ad2"),
+                                  (10.0, s0, p0, "ad1"), (10.5, s0, p0, "ad1")):  # fmt: skip
+        clock.now = when
+        p.touch(name, ["b"], when)
+        shared.touch(name, ["b"], when)
+    assert p1.victims("b") == ["ad1"]  # worker 1's own share of the requests
+    s1.take_uses(p1, clock())  # worker 0 wrote 10.0 (10.5 waits: USE_FLUSH_S)
+    assert p1.victims("b") == ["ad2"]
+    s1.record("b", "ad2", held=False)  # the unload drops the pair's time
+    with segment[0].lora_doc() as doc:
+        assert doc["used"] == {"b\tad1": 10.0}
