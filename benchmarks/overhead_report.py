@@ -6,6 +6,12 @@ from __future__ import annotations
 __all__ = ["report", "verdict"]
 
 
+def _cpu_ratios(gw: dict[str, float], ref: dict[str, float]) -> tuple[float, float]:
+    """The gateway's CPU as a multiple of ``ref``'s: per request (saturated), per chunk."""
+    per_request = gw["cpu_us_saturated"] / max(ref["cpu_us_saturated"], 1e-9)
+    return per_request, gw["cpu_us_per_chunk"] / max(ref["cpu_us_per_chunk"], 1e-9)
+
+
 def verdict(ok: bool) -> str:
     return "met" if ok else "NOT met"
 
@@ -70,8 +76,7 @@ def report(results: dict[str, dict[str, float]]) -> None:
         if name not in results:
             continue
         ref = results[name]
-        ratio = gw["cpu_us_saturated"] / max(ref["cpu_us_saturated"], 1e-9)
-        chunk_ratio = gw["cpu_us_per_chunk"] / max(ref["cpu_us_per_chunk"], 1e-9)
+        ratio, chunk_ratio = _cpu_ratios(gw, ref)
         print(
             f"{name} reference: CPU {ref['cpu_us_saturated']:.1f} us/req, "
             f"{ref['cpu_us_per_chunk']:.2f} us/chunk, added p50 "
@@ -86,8 +91,7 @@ def report(results: dict[str, dict[str, float]]) -> None:
         )
     before = results.get("gw-before")
     if before is not None:  # --before-src: the same gateway config, an older source tree
-        ratio = gw["cpu_us_saturated"] / max(before["cpu_us_saturated"], 1e-9)
-        chunk_ratio = gw["cpu_us_per_chunk"] / max(before["cpu_us_per_chunk"], 1e-9)
+        ratio, chunk_ratio = _cpu_ratios(gw, before)
         print(
             f"against --before-src, same run: CPU per request {ratio:.2f}x, per relayed chunk "
             f"{chunk_ratio:.2f}x (issue 16: per chunk no worse than before, <= 1.00x "

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Iterator
 
-import pytest
 from test_peers import _Clock, _Settings
 
 from kiloserve.gateway.lora_placement import Adapter, LoraPlacement
@@ -14,7 +12,7 @@ from kiloserve.gateway.lora_shared import LOG_SIZE, SharedLora
 from kiloserve.policies.round_robin import RoundRobinPolicy
 from kiloserve.routing.config import BackendConfig
 from kiloserve.routing.router import Router
-from kiloserve.routing.shared_load import LoadLayout, SharedLoad
+from kiloserve.routing.shared_load import SharedLoad
 from kiloserve.routing.table import BackendTable
 
 
@@ -25,16 +23,6 @@ def _placement() -> LoraPlacement:
     placement = LoraPlacement(table, Router(table, RoundRobinPolicy(), random.Random(0)), 4)
     placement.catalog["ad1"] = Adapter("ad1", "/a/ad1", "base")
     return placement
-
-
-@pytest.fixture
-def segment() -> Iterator[list[SharedLoad]]:
-    owner = SharedLoad.create(LoadLayout(workers=2, slots=8, ring=16))
-    handles = [SharedLoad.attach(owner.name, w) for w in (0, 1)]
-    yield handles
-    for h in handles:
-        h.close()
-    owner.close()
 
 
 def test_a_load_or_unload_one_worker_makes_is_the_others_at_its_next_sync(

@@ -3,14 +3,10 @@ applied from etcd is where a worker that starts later begins (etcd may be down t
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
-
 from kiloserve.gateway.config import BackendConfig, parse_gateway_config
 from kiloserve.gateway.registry.record import RegistryRecord, encode_record
 from kiloserve.gateway.registry.watch import RegistryWatcher
-from kiloserve.routing.shared_load import LoadLayout, SharedLoad
+from kiloserve.routing.shared_load import SharedLoad
 from kiloserve.routing.table import BackendTable
 
 PREFIX = "/kiloserve/backends/"
@@ -24,16 +20,6 @@ def _record(name: str, draining: bool = False) -> bytes:
 def _watcher(shared: SharedLoad | None) -> RegistryWatcher:
     cfg = parse_gateway_config({"backends": [], "registry": {"kind": "etcd", "etcd": ["x:1"]}})
     return RegistryWatcher(cfg, BackendTable(cfg), shared)
-
-
-@pytest.fixture
-def segment() -> Iterator[list[SharedLoad]]:
-    owner = SharedLoad.create(LoadLayout(workers=2, slots=8, ring=16))
-    handles = [SharedLoad.attach(owner.name, w) for w in (0, 1)]
-    yield handles
-    for h in handles:
-        h.close()
-    owner.close()
 
 
 def test_a_later_worker_starts_from_what_its_sibling_applied(
