@@ -30,6 +30,7 @@ RUNS = (
     ("round_robin", "azure-conv"),
     ("default", "synthetic:input=uniform(64,900),output=uniform(8,120),prefix_groups=6"),
     ("prefix_affinity", "mooncake"),  # shared blocks, private tails, prefix hashes
+    ("default", "mooncake"),  # the compiled scorers and in-flight prefixes (exact backends)
 )
 CHILD = """
 import json, sys

@@ -158,9 +158,8 @@ class KvEventCache:
             return {}
         exact = self.exact_backends
         depths = self.index.match_depths(prefix_hashes, exact)
-        for backend_id, depth in self.in_flight.match_depths(prefix_hashes, exact).items():
-            if depth > depths.get(backend_id, 0):
-                depths[backend_id] = depth
+        # requests in flight count where they hold more than the events say (floors)
+        depths.update(self.in_flight.match_depths(prefix_hashes, exact, depths))
         for backend_id, depth in depths.items():
             depths[backend_id] = self.servable_depth(backend_id, depth, num_tokens)
         return {b: d for b, d in depths.items() if d > 0}

@@ -13,11 +13,19 @@ Requests are grouped by their first block hash; each (first block, backend) keep
 never wrong). Hashes are chained (hash i covers blocks 0..i), so the blocks two
 requests share are a common prefix, found by binary search. No copies: the tuples are
 the requests' own ``RequestInfo.prefix_hashes``.
+
+A caller that already knows how deep each backend holds the prompt (the exact index:
+``KvEventCache.match_depths``) passes those depths as ``floors``: a request then counts
+only when it shares more, which one comparison tells (the block just past the floor),
+so the binary search runs only for those. With hundreds of backends holding a common
+first block (a shared system prompt) this is one comparison per request in flight
+instead of a search each (on a Mooncake trace at 1,024 GPUs in simulation, that search
+was half of a routing decision's time).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 __all__ = ["InFlightPrefixes"]
 
@@ -68,10 +76,14 @@ class InFlightPrefixes:
                 del self._by_first[first]
 
     def match_depths(
-        self, prefix_hashes: tuple[int, ...], backends: Collection[str]
+        self,
+        prefix_hashes: tuple[int, ...],
+        backends: Collection[str],
+        floors: Mapping[str, int] | None = None,
     ) -> dict[str, int]:
         """Backend (of ``backends``) -> leading blocks of ``prefix_hashes`` that one of
-        its in-flight requests shares (> 0)."""
+        its in-flight requests shares (> 0); with ``floors``, only the backends whose
+        requests share more than their floor (a backend missing from it has floor 0)."""
         if not prefix_hashes:
             return {}
         by_backend = self._by_first.get(prefix_hashes[0])
@@ -79,14 +91,33 @@ class InFlightPrefixes:
             return {}
         depths: dict[str, int] = {}
         for backend_id, held in by_backend.items():
-            if backend_id in backends:
-                depths[backend_id] = max(_common(prefix_hashes, h) for h in held)
+            if backend_id not in backends:
+                continue
+            floor = floors.get(backend_id, 0) if floors else 0
+            best = 0
+            for hashes in held:
+                depth = _common_above(prefix_hashes, hashes, floor)
+                if depth > best:
+                    best = depth
+            if best:
+                depths[backend_id] = best
         return depths
 
 
-def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    """Length of the common prefix of two chained hash tuples whose first items match."""
-    lo, hi = 1, min(len(a), len(b))
+def _common_above(a: tuple[int, ...], b: tuple[int, ...], floor: int) -> int:
+    """``_common(a, b)`` when it is more than ``floor`` blocks, else 0 (one comparison:
+    chained hashes share block ``floor`` only when they share every block before it)."""
+    if floor <= 0:
+        return _common(a, b)
+    if min(len(a), len(b)) <= floor or a[floor] != b[floor]:
+        return 0
+    return _common(a, b, floor + 1)
+
+
+def _common(a: tuple[int, ...], b: tuple[int, ...], lo: int = 1) -> int:
+    """Length of the common prefix of two chained hash tuples whose first ``lo`` items
+    match (at least the first: requests are grouped by it)."""
+    hi = min(len(a), len(b))
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if a[mid - 1] == b[mid - 1]:

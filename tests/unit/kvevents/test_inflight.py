@@ -36,6 +36,42 @@ def test_common_prefix_per_backend_capped_and_removed() -> None:
     assert flight.num_requests == 0 and flight.match_depths((1, 2), {"x", "y"}) == {}
 
 
+def _plain_common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_floors_keep_only_the_backends_whose_requests_share_more() -> None:
+    """Random chained prompts (a tree of shared prefixes): with floors, a backend is
+    listed exactly when one of its requests shares more than its floor, at that depth;
+    without, every backend holding the first block, as the plain definition says."""
+    rng = random.Random(7)
+    for _ in range(200):
+        trunks = [tuple(range(1, 1 + rng.randrange(1, 12)))]  # block i's hash: i + 1
+        flight, held = InFlightPrefixes(max_per_backend=4), {}
+        for backend in "abcdef":
+            for _ in range(rng.randrange(0, 4)):
+                trunk = rng.choice(trunks)
+                cut = rng.randrange(1, len(trunk) + 1)
+                tail = tuple(rng.randrange(100, 10**9) for _ in range(rng.randrange(0, 6)))
+                hashes = trunk[:cut] + tail
+                trunks.append(hashes)
+                flight.add(backend, hashes)
+                held.setdefault(backend, []).append(hashes)
+        query = rng.choice(trunks)[: rng.randrange(1, 16)]
+        backends = set("abcdf")
+        plain = {
+            b: max(_plain_common(query, h) for h in hs) for b, hs in held.items() if b in backends
+        }
+        plain = {b: d for b, d in plain.items() if d > 0}
+        assert flight.match_depths(query, backends) == plain
+        floors = {b: rng.randrange(0, 8) for b in "abcdef" if rng.random() < 0.7}
+        expected = {b: d for b, d in plain.items() if d > floors.get(b, 0)}
+        assert flight.match_depths(query, backends, floors) == expected
+
+
 def _router() -> tuple[Router, KvEventCache]:
     backends = [
         {"url": f"http://127.0.0.1:90{i}", "name": f"b{i}", "models": ["m"]} for i in range(4)
