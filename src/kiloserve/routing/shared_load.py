@@ -121,7 +121,7 @@ class LoadLayout:
     bucket_bytes: int = 1 << 20  # the rate-limit buckets (JSON, under the lock)
     prefix_ring: int = 1 << 18  # words per worker for its prefix placements
     lora_bytes: int = 1 << 20  # the LoRA log and last-request times (JSON, under the lock)
-    registry_bytes: int = 1 << 20  # the registry view (JSON, under the lock)
+    registry_bytes: int = 4 << 20  # the registry view (JSON, under the lock: ~250 B a backend)
 
     @property
     def names_at(self) -> int:

@@ -9,10 +9,14 @@ Backends from the static ``backends:`` list are never removed by the registry.
 
 With several workers (``--workers N``) each worker follows etcd itself and also writes
 the records it applied to the shared segment's registry view
-(``SharedLoad.registry_doc``). A worker starts from that view (the records its
-siblings saw last) before its first etcd read, so a worker that replaces a dead one
-while etcd is down routes to the same backends as its siblings instead of none; its
-first successful read replaces the view's records as a resync does.
+(``SharedLoad.registry_doc``): compact (the backend and its drain flag, no health
+readings), after each full read, at most every ``PUBLISH_S`` while events come (an
+agent rewrites its record when its node health changes: hundreds a second across a
+large fleet must not each cost a JSON round trip of the whole view), and at once when
+etcd stops answering. A worker starts from that view (the records its siblings saw
+last) before its first etcd read, so a worker that replaces a dead one while etcd is
+down routes to the same backends as its siblings instead of none; its first
+successful read replaces the view's records as a resync does.
 """
 
 from __future__ import annotations
@@ -31,11 +35,13 @@ from kiloserve.errors import ConfigError, EtcdError
 from kiloserve.gateway.config import GatewayConfig
 from kiloserve.gateway.metrics import PREFIX, GatewayMetrics
 from kiloserve.gateway.registry.etcd import EtcdClient, WatchEvent
-from kiloserve.gateway.registry.record import decode_record
+from kiloserve.gateway.registry.record import RegistryRecord, decode_record, encode_record
 from kiloserve.routing.shared_load import SharedLoad
 from kiloserve.routing.table import BackendTable
 
-__all__ = ["RegistryWatcher", "start_registry"]
+__all__ = ["PUBLISH_S", "RegistryWatcher", "start_registry"]
+
+PUBLISH_S = 1.0  # a worker writes changed records to the registry view at most this often
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +58,8 @@ class RegistryWatcher:
         self._static = {b.backend_id for b in cfg.backends}
         self._key_to_id: dict[str, str] = {}
         self._records: dict[str, str] = {}  # key -> the record applied, as the view holds it
+        self._dirty = False  # _records changed since the last publish
+        self._published_at = -PUBLISH_S
         self.is_up = False
         self.num_errors = 0
         self.num_updates = 0
@@ -71,7 +79,10 @@ class RegistryWatcher:
         if old is not None and old != backend_id:
             self.table.remove_backend(old)
         self._key_to_id[key] = backend_id
-        self._records[key] = raw.decode()
+        compact = encode_record(RegistryRecord(record.backend, record.is_draining)).decode()
+        if self._records.get(key) != compact:
+            self._records[key] = compact
+            self._dirty = True
         self.table.add_backend(record.backend)
         state = self.table.state(backend_id)
         if state.draining != record.is_draining:
@@ -79,7 +90,8 @@ class RegistryWatcher:
         self.num_updates += 1
 
     def _apply_delete(self, key: str) -> None:
-        self._records.pop(key, None)
+        if self._records.pop(key, None) is not None:
+            self._dirty = True
         backend_id = self._key_to_id.pop(key, None)
         if backend_id is not None:
             self.table.remove_backend(backend_id)
@@ -110,14 +122,19 @@ class RegistryWatcher:
             logger.info("registry: %d backends from the sibling workers' view", len(kvs))
         return len(kvs)
 
-    def publish(self) -> None:
-        """Write the records applied to the shared view (the siblings' start point)."""
-        if self.shared is None:
+    def publish(self, *, now: bool = False) -> None:
+        """Write the records applied to the shared view (the siblings' start point) when
+        they changed: at most every ``PUBLISH_S`` unless ``now``."""
+        if self.shared is None or not self._dirty:
+            return
+        at = time.monotonic()
+        if not now and at - self._published_at < PUBLISH_S:
             return
         with self.shared.registry_doc() as view:
             if view != self._records:
                 view.clear()
                 view.update(self._records)
+        self._dirty, self._published_at = False, at
 
     def _mark(self, is_up: bool, why: str = "") -> None:
         if is_up and not self.is_up:
@@ -138,13 +155,14 @@ class RegistryWatcher:
             try:
                 revision, kvs = await client.get_prefix(prefix)
                 self.resync(kvs)
-                self.publish()
+                self.publish(now=True)
                 self._mark(True)
                 async for event in client.watch_prefix(prefix, revision + 1):
                     self.apply(event)
                     self.publish()
                     self.last_ok_s = time.monotonic()
             except EtcdError as exc:
+                self.publish(now=True)  # the changes held back: the view outlives etcd
                 self._mark(False, str(exc))
             await asyncio.sleep(self.cfg.retry_interval_s)
 
