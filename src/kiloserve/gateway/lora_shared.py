@@ -74,7 +74,7 @@ class SharedLora:
         self._flushed_at = now_s
         if not self._uses:
             return
-        with self.shared.lora_doc() as doc:
+        with self.shared.lora_doc(bump=False) as doc:  # siblings' syncs need not re-read
             used: dict[str, float] = doc.setdefault("used", {})
             for key, t in self._uses.items():
                 if t > used.get(key, -1.0):

@@ -41,11 +41,14 @@ class JsonAreas:
         return self._q[self.layout.lora_at]
 
     @contextmanager
-    def lora_doc(self) -> Iterator[dict[str, Any]]:
-        """The LoRA log (``gateway/lora_shared.py``) under the lock, written back (and
-        ``lora_version`` bumped) when the block changed it."""
+    def lora_doc(self, *, bump: bool = True) -> Iterator[dict[str, Any]]:
+        """The LoRA log (``gateway/lora_shared.py``) under the lock, written back (and,
+        unless ``bump`` is False, ``lora_version`` bumped) when the block changed it.
+        The version tells workers to apply new loads and unloads: a change they need
+        not apply (last-request times) leaves it alone."""
         at = self.layout.lora_at
-        with self._json(at + 1, self.layout.lora_bytes, "LoRA", version_at=at) as got:
+        version_at = at if bump else -1
+        with self._json(at + 1, self.layout.lora_bytes, "LoRA", version_at=version_at) as got:
             yield got
 
     @contextmanager

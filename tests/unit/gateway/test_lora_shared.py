@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 
+from segment_fixture import two_worker_segment  # noqa: F401 (the fixture ``segment``)
 from test_peers import _Clock, _Settings
 
 from kiloserve.gateway.lora_placement import Adapter, LoraPlacement
@@ -112,11 +113,13 @@ def test_unloads_follow_the_gateways_last_requests_not_one_workers(
         for name in ("ad1", "ad2"):
             p.set_held("b", name, is_held=True, now_s=0.0)
     s0, s1 = SharedLora(segment[0], 0, clock), SharedLora(segment[1], 1, clock)
+    version = segment[0].lora_version
     for when, shared, p, name in ((1.0, s1, p1, "ad1"), (5.0, s1, p1, "ad2"),
                                   (10.0, s0, p0, "ad1"), (10.5, s0, p0, "ad1")):  # fmt: skip
         clock.now = when
         p.touch(name, ["b"], when)
         shared.touch(name, ["b"], when)
+    assert segment[0].lora_version == version  # times written: no sibling sync re-reads
     assert p1.victims("b") == ["ad1"]  # worker 1's own share of the requests
     s1.take_uses(p1, clock())  # worker 0 wrote 10.0 (10.5 waits: USE_FLUSH_S)
     assert p1.victims("b") == ["ad2"]

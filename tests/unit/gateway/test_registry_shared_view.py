@@ -3,6 +3,8 @@ applied from etcd is where a worker that starts later begins (etcd may be down t
 
 from __future__ import annotations
 
+from segment_fixture import two_worker_segment  # noqa: F401 (the fixture ``segment``)
+
 from kiloserve.gateway.config import BackendConfig, parse_gateway_config
 from kiloserve.gateway.registry.record import RegistryRecord, encode_record
 from kiloserve.gateway.registry.watch import RegistryWatcher

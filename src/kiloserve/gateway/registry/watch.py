@@ -79,10 +79,11 @@ class RegistryWatcher:
         if old is not None and old != backend_id:
             self.table.remove_backend(old)
         self._key_to_id[key] = backend_id
-        compact = encode_record(RegistryRecord(record.backend, record.is_draining)).decode()
-        if self._records.get(key) != compact:
-            self._records[key] = compact
-            self._dirty = True
+        if self.shared is not None:  # one process keeps no view
+            compact = encode_record(RegistryRecord(record.backend, record.is_draining)).decode()
+            if self._records.get(key) != compact:
+                self._records[key] = compact
+                self._dirty = True
         self.table.add_backend(record.backend)
         state = self.table.state(backend_id)
         if state.draining != record.is_draining:
