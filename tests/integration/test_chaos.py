@@ -82,18 +82,21 @@ async def test_hang(env: DrillEnv) -> None:
     The bound is wall time on a shared 2-core box: one fresh-clone CI run saw 4.06 s
     while the real-vLLM engines of the session were still up beside it (3 of 3 runs on
     their own met it). So a run over the bound is drilled once more, and the
-    second must meet it; no run may fail a request.
+    second must meet it; no run may fail a request. A run that saw no detection by its
+    end (``detect_s`` None: over the bound by more than the run's last 1.5 s; one CI run)
+    is such a run too. The gateway's log lines of the drills come with a failure.
     """
     bound_s = min(2 * HEALTH_INTERVAL_S, FIRST_BYTE_S) + POLL_SLACK_S
     detected = []
     for _ in range(2):
         r = await _run(env, "hang")
         assert r["failed"] == 0
-        assert r["detect_s"] is not None
         detected.append(r["detect_s"])
-        if r["detect_s"] <= bound_s:
+        if r["detect_s"] is not None and r["detect_s"] <= bound_s:
             return
-    raise AssertionError(f"hang detected after {detected} s, bound {bound_s} s")
+    log = (env.run_dir / "gateway.log").read_text(errors="replace").splitlines()
+    tail = "\n".join(line for line in log[-400:] if "WARNING" in line or "INFO" in line)
+    raise AssertionError(f"hang detected after {detected} s, bound {bound_s} s\n{tail[-6000:]}")
 
 
 async def test_slow(env: DrillEnv) -> None:

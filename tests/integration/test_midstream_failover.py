@@ -284,3 +284,27 @@ async def test_a_queued_chat_stream_is_not_a_stalled_one() -> None:
             streams = await _run_streams(gw, "/v1/chat/completions", bodies, None, 10.0)
             _check_all(streams, bodies, chat=True)
             assert await _metric(gw, "kiloserve_gateway_migrations_total") == 0
+
+
+async def test_a_cut_stream_continues_where_panic_routing_sends_new_requests() -> None:
+    """Every backend failed its probes (an overloaded box: the probes time out while
+    requests are served), so new requests are panic-routed to all of them. A stream cut
+    on one must continue on another the same way, not end with an error event because
+    no backend is "routable" (seen: a real-vLLM failover drill on a starved box)."""
+    async with twins({}, {}, step_s=0.004) as servers:
+        backends = [{"url": t.url, "name": f"t{i}"} for i, t in enumerate(servers)]
+        # every probe times out (1 us) while the twins serve: the starved box's case
+        probe = {"timeout_s": 1e-6, "interval_s": 0.05, "recheck_interval_s": 0.05,
+                 "unhealthy_threshold": 1, "completion_probe": False}  # fmt: skip
+        cfg = gateway_config(backends, health=probe, migration={"stall_timeout_s": 0.5})
+        async with running_gateway(cfg, wait_ready=False) as gw:
+            deadline = time.monotonic() + 5.0
+            while any(b["healthy"] for b in (await _backends(gw)).values()):
+                assert time.monotonic() < deadline, await _backends(gw)
+                await asyncio.sleep(0.02)
+            await _faults(servers[1].url, {"stall_after_tokens": 5})
+            bodies = _bodies(40)[:8]
+            streams = await _run_streams(gw, "/v1/completions", bodies, None, 15.0)
+            _check_all(streams, bodies, chat=False)
+            assert await _metric(gw, 'kiloserve_gateway_migrations_total{reason="stall"}') >= 1
+            assert await _metric(gw, "kiloserve_gateway_panic_routing") >= 1

@@ -485,10 +485,7 @@ async def _migrate(
             with contextlib.suppress(OSError):
                 await out.write(end)
             return
-        table = ctx.table
-        backend_id = next(
-            (b for b in call.ranked if b not in failed and table.is_routable(b)), None
-        )
+        backend_id = ctx.router.continuation(call.ranked, failed)
         if backend_id is None:
             break
         ctx.metrics.migration(reason, delivered.num_tokens)

@@ -145,6 +145,22 @@ class Router:
                 listener(info, decision, kept)
         return decision.with_ranked(kept)
 
+    def continuation(self, ranked: tuple[str, ...], failed: set[str]) -> str | None:
+        """Where a cut stream goes on: the first of the decision's ``ranked`` backends
+        not in ``failed`` that is routable now; when none is, what a new decision would
+        get over those same backends from the ``admit`` hook (panic routing when every
+        one of them only failed its probes: an overloaded box's probes time out while
+        its requests are served, and a continuation trusts traffic as a decision does)."""
+        table = self.table
+        for backend_id in ranked:
+            if backend_id not in failed and table.is_routable(backend_id):
+                return backend_id
+        if self.admit is None:
+            return None
+        known = set(table.backend_ids())
+        rest = frozenset(b for b in ranked if b not in failed and b in known)
+        return next(iter(self.admit((), rest)), None) if rest else None
+
     def _of_role(
         self, model: str, role: Role, eligible_by_model: dict[str, tuple[BackendState, ...]] | None
     ) -> tuple[dict[str, tuple[BackendState, ...]], frozenset[str]]:
