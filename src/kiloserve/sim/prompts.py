@@ -203,24 +203,27 @@ class PromptIds:
         ids: list[int] = []
         run_keys: tuple[int, ...] = ()
         private_from = None
+        num_shared = 0  # leading ids of shared text (runs, a group's head)
         if spec.prefix_group is not None:
             if self._kind == "mooncake":
-                ids, run_keys, private_from = self._mooncake_ids(spec, num_tokens)
+                ids, run_keys, private_from, num_shared = self._mooncake_ids(spec, num_tokens)
             elif self._prefix_tokens and spec.prefix_group.startswith("group-"):
                 head = min(self._prefix_tokens, num_tokens)
                 ids = self.run_ids(f"g/{self._seed}/{spec.prefix_group}", head)
-        if len(ids) >= num_tokens:
-            return Prompt(ids, None, 0, run_keys, len(ids) if run_keys else 0, private_from)
+                num_shared = len(ids)
+        if num_shared >= num_tokens:
+            return Prompt(ids, None, 0, run_keys, num_shared if run_keys else 0, private_from)
         key_hash = _key_hash(self._unique_name(spec.request_id))
-        unique_from = len(ids)
-        if self._unread_tails:  # hashed from unique_key: no id of it is read
-            tail = [UNREAD] * (num_tokens - unique_from)
-        else:
-            tail = self._pool.hashed_run_ids(key_hash, num_tokens - unique_from)
-        if unique_from:
-            ids += tail
-        else:
-            ids = tail
+        unique_from = num_shared
+        if len(ids) < num_tokens:  # the tail is not written yet (a Mooncake list may hold it)
+            if self._unread_tails:  # hashed from unique_key: no id of it is read
+                tail = [UNREAD] * (num_tokens - unique_from)
+            else:
+                tail = self._pool.hashed_run_ids(key_hash, num_tokens - unique_from)
+            if unique_from:
+                ids += tail
+            else:
+                ids = tail
         unique_key = key_hash >> UNIQUE_INDEX_BITS << UNIQUE_INDEX_BITS
         run_tokens = unique_from if run_keys else 0
         return Prompt(ids, unique_from, unique_key, run_keys, run_tokens, private_from)
@@ -233,9 +236,10 @@ class PromptIds:
 
     def _mooncake_ids(
         self, spec: RequestSpec, num_tokens: int
-    ) -> tuple[list[int], tuple[int, ...], int | None]:
-        """The ids of the prompt's hash-id runs, the runs' key hashes and where the first
-        run of a hash id no other row lists starts (``Prompt.private_from``).
+    ) -> tuple[list[int], tuple[int, ...], int | None, int]:
+        """The ids of the prompt's hash-id runs, the runs' key hashes, where the first
+        run of a hash id no other row lists starts (``Prompt.private_from``) and how many
+        ids the runs cover.
 
         A run is ``IdPool.hashed_run_ids`` of its key, written out here: its first id,
         then pool ids from the key's offset on. Keys are cached per hash id for the
@@ -243,6 +247,11 @@ class PromptIds:
         hash costs more than the rest of the run); a new pass starts a new cache, so
         a trace repeated many times holds one pass's keys at most. With unread runs
         (``unread_for``) a run is ``UNREAD`` ids unless it ends the prompt.
+
+        The list is made once at its final length and the read runs are written into
+        it (growing it run by run reallocated and copied it a dozen times per prompt:
+        a tenth of a Mooncake run's event loop); with unread tails it is the whole
+        prompt's, its unique tail ``UNREAD`` already.
         """
         index = _trailing_int(spec.request_id)
         hash_ids = self._hash_ids.get(index, ()) if index is not None else ()
@@ -252,32 +261,34 @@ class PromptIds:
             self._keys_pass, self._keys = k, {}
         cache = self._keys
         pool, half = self._pool.ids, self._pool.half
-        ids: list[int] = []
+        num_run_ids = min(num_tokens, RUN_TOKENS * len(hash_ids))
+        ids = [UNREAD] * (num_tokens if self._unread_tails else num_run_ids)
         keys: list[int] = []
-        left = num_tokens
+        pos = 0
         num_rows = self._num_rows
         private_from = None
         unread_runs = self._unread_runs
         for h in hash_ids:
-            if left <= 0:
+            if pos >= num_tokens:
                 break
             if private_from is None and num_rows[h] == 1:
-                private_from = len(ids)
+                private_from = pos
             key = cache.get(h)
             if key is None:
                 key = cache[h] = _key_hash(f"m/{h}" if k == 0 else f"m/{h}/r{k}")
             keys.append(key)
-            rest = min(RUN_TOKENS, left) - 1
+            left = num_tokens - pos
+            size = min(RUN_TOKENS, left)
             if unread_runs and left > RUN_TOKENS:  # not the prompt's last run: unread
-                ids += [UNREAD] * (rest + 1)
-            elif rest > half:  # a pool too small for a run (never with POOL_SIZE)
-                ids += self._pool.hashed_run_ids(key, rest + 1)
+                pass
+            elif size - 1 > half:  # a pool too small for a run (never with POOL_SIZE)
+                ids[pos : pos + size] = self._pool.hashed_run_ids(key, size)
             else:
-                ids.append(key & 0xFFFF_FFFF)  # the run's first id
+                ids[pos] = key & 0xFFFF_FFFF  # the run's first id
                 start = (key >> 32) % half
-                ids += pool[start : start + rest]
-            left -= rest + 1
-        return ids, tuple(keys), private_from
+                ids[pos + 1 : pos + size] = pool[start : start + size - 1]
+            pos += size
+        return ids, tuple(keys), private_from, pos
 
     def _session_ids(self, spec: RequestSpec, num_tokens: int) -> list[int]:
         session = spec.session_id or ""

@@ -82,7 +82,8 @@ def test_a_mooncake_run_is_the_same_with_and_without_private_runs(
     mooncake_ids = PromptIds._mooncake_ids
 
     def all_shared(self: PromptIds, spec: RequestSpec, n: int) -> MooncakeIds:
-        return *mooncake_ids(self, spec, n)[:2], None
+        ids, keys, _, num_run_ids = mooncake_ids(self, spec, n)
+        return ids, keys, None, num_run_ids
 
     monkeypatch.setattr(PromptIds, "_mooncake_ids", all_shared)
     shared_summary, shared_records = run()

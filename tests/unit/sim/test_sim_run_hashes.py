@@ -14,7 +14,7 @@ from kiloserve.workload.prompts import BLOCK_TOKENS
 from kiloserve.workload.traces import PACKAGED_TRACES_DIR
 
 TRACES = PACKAGED_TRACES_DIR
-MooncakeIds = tuple[list[int], tuple[int, ...], int | None]
+MooncakeIds = tuple[list[int], tuple[int, ...], int | None, int]
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -93,11 +93,13 @@ def test_a_mooncake_run_is_the_same_with_and_without_keyed_runs(
     mooncake_ids = PromptIds._mooncake_ids
 
     def keyed_shared(self: PromptIds, spec: RequestSpec, n: int) -> MooncakeIds:
-        return *mooncake_ids(self, spec, n)[:2], None  # no private runs (next test)
+        ids, keys, _, num_run_ids = mooncake_ids(self, spec, n)
+        return ids, keys, None, num_run_ids  # no private runs (next test)
 
     def unkeyed(self: PromptIds, spec: RequestSpec, n: int) -> MooncakeIds:
         self._unread_runs = False  # runs without keys are hashed from their ids
-        return mooncake_ids(self, spec, n)[0], (), None
+        ids, _, _, num_run_ids = mooncake_ids(self, spec, n)
+        return ids, (), None, num_run_ids
 
     monkeypatch.setattr(PromptIds, "_mooncake_ids", keyed_shared)
     keyed = run()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kiloserve.sim.prompts import UNREAD, Prompt, PromptIds
+from kiloserve.sim.prompts import RUN_TOKENS, UNREAD, IdPool, Prompt, PromptIds
 from kiloserve.sim.sequence import BLOCK_SIZE, SimSequence
 from kiloserve.workload import RequestSpec, load_workload
 from kiloserve.workload.traces import PACKAGED_TRACES_DIR
@@ -80,3 +80,35 @@ def test_runs_stay_read_when_the_block_size_does_not_divide_them() -> None:
         prompt = prompts.prompt(spec)
         run_ids = prompt.token_ids[: prompt.run_tokens]
         assert UNREAD not in run_ids[1:], spec.request_id  # pool ids are >= 2^31
+
+
+@pytest.mark.skipif(not TRACES.is_dir(), reason="shipped traces not present")
+def test_mooncake_prompt_ids_are_their_runs_then_their_tail() -> None:
+    """A Mooncake prompt's list, made at its final length with its read runs written
+    into it, holds each run's ``IdPool.hashed_run_ids`` then the unique tail's ids
+    (both passes of a repeated trace); with unread ids, every id is that one or
+    ``UNREAD``, the whole tail ``UNREAD``."""
+    n = 12_031  # rows in a pass
+    workload = load_workload("mooncake:repeat=2", seed=3, rate=10, num_requests=n + 300,
+                             with_prompts=False, traces_dir=TRACES)  # fmt: skip
+    every = PromptIds(workload, TRACES)
+    unread = PromptIds(workload, TRACES, unread_for=BLOCK_SIZE)
+    pool = IdPool()
+    num_partial = 0  # prompts ending inside their last run (its ids are read)
+    for i, spec in enumerate(workload):
+        if 300 <= i < n:
+            continue
+        a, b = every.prompt(spec), unread.prompt(spec)
+        num_tokens = max(1, spec.input_tokens)
+        want: list[int] = []
+        for key in a.run_keys:
+            want += pool.hashed_run_ids(key, min(RUN_TOKENS, num_tokens - len(want)))
+        num_partial += len(want) % RUN_TOKENS > 0
+        if len(want) < num_tokens:  # a unique tail (rows whose hash ids fall short)
+            assert a.unique_from == len(want), spec.request_id
+            want += every.run_ids(f"u/3/{spec.request_id}", num_tokens - len(want))
+            assert set(b.token_ids[a.unique_from :]) == {UNREAD}, spec.request_id
+        assert a.token_ids == want, spec.request_id
+        assert len(b.token_ids) == num_tokens
+        assert all(y in (x, UNREAD) for x, y in zip(a.token_ids, b.token_ids, strict=True))
+    assert num_partial > 100
