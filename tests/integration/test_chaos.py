@@ -27,6 +27,7 @@ import yaml
 from kiloserve.chaos.env import DRILL_GATEWAY_OPTIONS, DrillEnv
 from kiloserve.chaos.scenarios import SCENARIOS, DrillOptions
 from kiloserve.launch.config import parse_cluster_config
+from kiloserve.launch.process import tail
 
 CLUSTER = {
     "name": "chaos",
@@ -94,9 +95,9 @@ async def test_hang(env: DrillEnv) -> None:
         detected.append(r["detect_s"])
         if r["detect_s"] is not None and r["detect_s"] <= bound_s:
             return
-    log = (env.run_dir / "gateway.log").read_text(errors="replace").splitlines()
-    tail = "\n".join(line for line in log[-400:] if "WARNING" in line or "INFO" in line)
-    raise AssertionError(f"hang detected after {detected} s, bound {bound_s} s\n{tail[-6000:]}")
+    assert env.gateway is not None
+    log = tail(env.gateway.log_path, 80)
+    raise AssertionError(f"hang detected after {detected} s, bound {bound_s} s\n{log}")
 
 
 async def test_slow(env: DrillEnv) -> None:

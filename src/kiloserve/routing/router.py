@@ -157,8 +157,9 @@ class Router:
                 return backend_id
         if self.admit is None:
             return None
-        known = set(table.backend_ids())
-        rest = frozenset(b for b in ranked if b not in failed and b in known)
+        rest = frozenset(
+            b for b in ranked if b not in failed and table.record_or_none(b) is not None
+        )
         return next(iter(self.admit((), rest)), None) if rest else None
 
     def _of_role(
