@@ -121,6 +121,9 @@ class BackendFacts:
     tokens_delta: float | None = None
     engine_itl_ms: float | None = None
     engine_ttft_ms: float | None = None
+    # the two above are means over the window's requests; False: the engine served none
+    # in the window (e.g. the gateway routes around it) and they are its whole history's
+    engine_in_window: bool = True
 
 
 @dataclass(frozen=True)
@@ -231,6 +234,15 @@ def _mean_ms(first: EngineRead, last: EngineRead, key: str) -> float | None:
     return 1000.0 * s1 / c1
 
 
+def _served_in_window(first: EngineRead, last: EngineRead) -> bool:
+    """Whether a latency histogram of the engine counted requests between the reads."""
+    for key in ("itl_count", "ttft_count"):
+        c0, c1 = getattr(first, key), getattr(last, key)
+        if c0 is not None and c1 is not None and c1 > c0:
+            return True
+    return False
+
+
 def facts_from_reads(
     row: Mapping[str, Any],
     *,
@@ -289,6 +301,7 @@ def facts_from_reads(
         tokens_delta=_delta(first.generation_tokens, last.generation_tokens) if both else None,
         engine_itl_ms=_mean_ms(first, last, "itl") if last.ok else None,
         engine_ttft_ms=_mean_ms(first, last, "ttft") if last.ok else None,
+        engine_in_window=both and _served_in_window(first, last),
     )
 
 
@@ -431,6 +444,12 @@ def _rtt_high(b: BackendFacts, pool: list[BackendFacts]) -> tuple[bool, str]:
     return True, f"round trip {b.rtt_ms:.1f} ms ({ref})"
 
 
+def _engine_seen(b: BackendFacts) -> bool:
+    """Whether the engine's own latencies describe the window's requests."""
+    known = b.engine_itl_ms is not None or b.engine_ttft_ms is not None
+    return known and b.engine_in_window
+
+
 def rule_slow_or_network(snap: Snapshot) -> list[Finding]:
     """Slow node (the engine's own latency is high) versus network delay (the round trip
     is high while the engine's own latency is normal)."""
@@ -453,10 +472,14 @@ def rule_slow_or_network(snap: Snapshot) -> list[Finding]:
                     ev.append(f"engine's own latency normal ({engine_ratio:.1f}x pool median)")
                 score = (0.7 if known else 0.55) + (0.15 if gw_ev else 0.0)
                 out.append(_finding("network_delay", b.name, score, ev))
-            elif gw_ev and b.engine_itl_ms is None and b.engine_ttft_ms is None:
-                # only the gateway's view: slow, engine or path unknown
+            elif gw_ev and not _engine_seen(b):
+                # only the gateway's view: slow, engine or path unknown (no engine figures,
+                # or only its history: the gateway routed nothing to it in the window)
+                ev = gw_ev + (["demoted by the gateway"] if b.demoted else [])
+                if b.engine_itl_ms is not None or b.engine_ttft_ms is not None:
+                    ev.append("no request reached the engine in the window")
                 score = 0.4 + 0.05 * min(3.0, gw_ratio - _T["slow_ratio"])
-                out.append(_finding("slow_node", b.name, score, gw_ev))
+                out.append(_finding("slow_node", b.name, score, ev))
     return out
 
 

@@ -74,6 +74,14 @@ CASES: dict[str, tuple[Snapshot, str, str]] = {
               _ok("a0", engine_itl_ms=None, engine_ttft_ms=None, ewma_tpot_ms=40.0)),
         "slow_node", "a0",
     ),
+    "slow node routed around: the engine's figures are its history (CI stop 33)": (
+        # demoted, so no request reached it in the window: its engine means are its whole
+        # history's (normal); the gateway's EWMAs are the window's evidence
+        _snap(_ok("a0", engine_itl_ms=8.3, engine_ttft_ms=27.0, engine_in_window=False,
+                  ewma_tpot_ms=32.0, ewma_ttft_ms=58.0, demoted=True, attempts=0.0),
+              *POOL[1:]),
+        "slow_node", "a0",
+    ),
     "network delay: round trip high, engine normal": (
         _snap(*POOL[:2], _ok("a2", rtt_ms=120.0, ewma_ttft_ms=150.0)),
         "network_delay", "a2",
@@ -220,6 +228,12 @@ def test_facts_from_reads_takes_window_deltas() -> None:
     assert (f.tokens_delta, f.preemptions_delta, f.waiting_delta) == (300.0, 2.0, 3.0)
     assert f.engine_itl_ms == pytest.approx(50.0)  # 1 s over 20 new gaps
     assert f.engine_ttft_ms == pytest.approx(50.0)  # no new sample: the whole history
+    assert f.engine_in_window  # new inter-token samples
+    idle = facts_from_reads(
+        row, first=first, last=first, gw_first=gw0, gw_last=gw0,
+        connect_ok=True, health_ok=True, health_error="", rtt_ms=1.5,
+    )  # fmt: skip
+    assert idle.engine_itl_ms == pytest.approx(1000.0 / 100) and not idle.engine_in_window
     assert gw1["queue"] == {"m": 3.0}
 
 
