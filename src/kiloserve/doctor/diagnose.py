@@ -450,6 +450,18 @@ def _engine_seen(b: BackendFacts) -> bool:
     return known and b.engine_in_window
 
 
+def _gateway_view_counts(b: BackendFacts, pool: list[BackendFacts]) -> bool:
+    """Whether the gateway's EWMAs are the evidence on ``b``'s speed: the engine has no
+    latency figures, or only its history's (no request reached it in the window) while
+    the gateway routes around it (demoted, or its peers served requests in the window;
+    on an idle pool the EWMAs are as old as the history)."""
+    if b.engine_itl_ms is None and b.engine_ttft_ms is None:
+        return True
+    if b.engine_in_window:
+        return False
+    return b.demoted or any(_engine_seen(p) for p in pool if p is not b)
+
+
 def rule_slow_or_network(snap: Snapshot) -> list[Finding]:
     """Slow node (the engine's own latency is high) versus network delay (the round trip
     is high while the engine's own latency is normal)."""
@@ -472,7 +484,7 @@ def rule_slow_or_network(snap: Snapshot) -> list[Finding]:
                     ev.append(f"engine's own latency normal ({engine_ratio:.1f}x pool median)")
                 score = (0.7 if known else 0.55) + (0.15 if gw_ev else 0.0)
                 out.append(_finding("network_delay", b.name, score, ev))
-            elif gw_ev and not _engine_seen(b):
+            elif gw_ev and _gateway_view_counts(b, pool):
                 # only the gateway's view: slow, engine or path unknown (no engine figures,
                 # or only its history: the gateway routed nothing to it in the window)
                 ev = gw_ev + (["demoted by the gateway"] if b.demoted else [])

@@ -145,6 +145,17 @@ def test_errors_of_a_hung_engine_rank_below_the_hang() -> None:
     assert "symptom" in findings[1].evidence
 
 
+def test_an_idle_pools_old_ewmas_are_not_a_slow_node() -> None:
+    # no request reached any engine in the window: a backend's slow EWMA is as old as the
+    # engines' history (normal), so nothing is found; demoted, the gateway's view counts
+    idle = tuple(replace(b, engine_in_window=False, attempts=0.0) for b in POOL)
+    stale = replace(idle[0], ewma_tpot_ms=32.0)
+    assert diagnose(_snap(stale, *idle[1:])) == []
+    (finding,) = diagnose(_snap(replace(stale, demoted=True), *idle[1:]))
+    assert (finding.cause, finding.backend) == ("slow_node", "a0")
+    assert "demoted by the gateway" in finding.evidence
+
+
 def test_slow_engine_is_not_called_network() -> None:
     slow = _ok("a2", rtt_ms=120.0, engine_itl_ms=40.0)
     assert [f.cause for f in diagnose(_snap(*POOL[:2], slow))] == ["slow_node"]
