@@ -221,26 +221,24 @@ def _delta(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else b - a
 
 
+def _new_samples(first: EngineRead, last: EngineRead, key: str) -> float:
+    """Samples a histogram counted between the two reads (0 when either is unknown)."""
+    c0: float | None = getattr(first, key + "_count")
+    c1: float | None = getattr(last, key + "_count")
+    return c1 - c0 if c0 is not None and c1 is not None else 0.0
+
+
 def _mean_ms(first: EngineRead, last: EngineRead, key: str) -> float | None:
     """Mean of a histogram in the window (ms); the whole history when the window saw none."""
     s0: float | None = getattr(first, key + "_sum")
     s1: float | None = getattr(last, key + "_sum")
-    c0: float | None = getattr(first, key + "_count")
     c1: float | None = getattr(last, key + "_count")
     if s1 is None or not c1:
         return None
-    if s0 is not None and c0 is not None and c1 - c0 > 0:
-        return 1000.0 * (s1 - s0) / (c1 - c0)
+    num_new = _new_samples(first, last, key)
+    if s0 is not None and num_new > 0:
+        return 1000.0 * (s1 - s0) / num_new
     return 1000.0 * s1 / c1
-
-
-def _served_in_window(first: EngineRead, last: EngineRead) -> bool:
-    """Whether a latency histogram of the engine counted requests between the reads."""
-    for key in ("itl_count", "ttft_count"):
-        c0, c1 = getattr(first, key), getattr(last, key)
-        if c0 is not None and c1 is not None and c1 > c0:
-            return True
-    return False
 
 
 def facts_from_reads(
@@ -301,7 +299,8 @@ def facts_from_reads(
         tokens_delta=_delta(first.generation_tokens, last.generation_tokens) if both else None,
         engine_itl_ms=_mean_ms(first, last, "itl") if last.ok else None,
         engine_ttft_ms=_mean_ms(first, last, "ttft") if last.ok else None,
-        engine_in_window=both and _served_in_window(first, last),
+        engine_in_window=both
+        and (_new_samples(first, last, "itl") > 0 or _new_samples(first, last, "ttft") > 0),
     )
 
 
@@ -444,10 +443,9 @@ def _rtt_high(b: BackendFacts, pool: list[BackendFacts]) -> tuple[bool, str]:
     return True, f"round trip {b.rtt_ms:.1f} ms ({ref})"
 
 
-def _engine_seen(b: BackendFacts) -> bool:
-    """Whether the engine's own latencies describe the window's requests."""
-    known = b.engine_itl_ms is not None or b.engine_ttft_ms is not None
-    return known and b.engine_in_window
+def _engine_known(b: BackendFacts) -> bool:
+    """Whether the engine reported any latency of its own (the window's or its history's)."""
+    return b.engine_itl_ms is not None or b.engine_ttft_ms is not None
 
 
 def _gateway_view_counts(b: BackendFacts, pool: list[BackendFacts]) -> bool:
@@ -455,11 +453,11 @@ def _gateway_view_counts(b: BackendFacts, pool: list[BackendFacts]) -> bool:
     latency figures, or only its history's (no request reached it in the window) while
     the gateway routes around it (demoted, or its peers served requests in the window;
     on an idle pool the EWMAs are as old as the history)."""
-    if b.engine_itl_ms is None and b.engine_ttft_ms is None:
+    if not _engine_known(b):
         return True
     if b.engine_in_window:
         return False
-    return b.demoted or any(_engine_seen(p) for p in pool if p is not b)
+    return b.demoted or any(_engine_known(p) and p.engine_in_window for p in pool if p is not b)
 
 
 def rule_slow_or_network(snap: Snapshot) -> list[Finding]:
@@ -478,7 +476,7 @@ def rule_slow_or_network(snap: Snapshot) -> list[Finding]:
                 score = 0.55 + 0.1 * min(3.5, engine_ratio - _T["slow_ratio"])
                 out.append(_finding("slow_node", b.name, score, ev))
             elif rtt_high:
-                known = b.engine_itl_ms is not None or b.engine_ttft_ms is not None
+                known = _engine_known(b)
                 ev = [rtt_ev, *gw_ev]
                 if known:
                     ev.append(f"engine's own latency normal ({engine_ratio:.1f}x pool median)")
@@ -488,7 +486,7 @@ def rule_slow_or_network(snap: Snapshot) -> list[Finding]:
                 # only the gateway's view: slow, engine or path unknown (no engine figures,
                 # or only its history: the gateway routed nothing to it in the window)
                 ev = gw_ev + (["demoted by the gateway"] if b.demoted else [])
-                if b.engine_itl_ms is not None or b.engine_ttft_ms is not None:
+                if _engine_known(b):
                     ev.append("no request reached the engine in the window")
                 score = 0.4 + 0.05 * min(3.0, gw_ratio - _T["slow_ratio"])
                 out.append(_finding("slow_node", b.name, score, ev))
