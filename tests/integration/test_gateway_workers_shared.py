@@ -5,7 +5,8 @@ backend. Requests go to one worker at a time through its private loopback port (
 worker also serves the gateway there: gateway/worker_metrics.py). Worker A ejects the
 failing backend after its own failed requests; worker B, which never sent it one,
 holds it out too (``routing.shared_verdicts``). Before the sharing, B kept sending it
-requests until it had met the same failures itself. Likewise a prefix A placed on a
+requests until it had met the same failures itself; failures met by both workers are
+one run, as in one process. Likewise a prefix A placed on a
 backend is found there by B (``routing.shared_prefixes``), and the speeds A learned
 from its requests are B's too (``SharedLoad.publish_sample``).
 """
@@ -139,6 +140,31 @@ async def test_a_backend_one_worker_ejects_is_held_out_by_every_worker(tmp_path:
             assert await _post(b) == 200
         assert len(bad.bodies) == sent_to_bad  # worker B sent it nothing
         assert len(good.bodies) >= 10
+
+
+async def test_failures_spread_over_the_workers_eject_at_the_threshold(tmp_path: Path) -> None:
+    """Three failures in a row, two met by worker A and one by worker B, eject the
+    backend (threshold 3), as one process would: the run is counted over the workers
+    (``SharedVerdicts.note_failure``). Before, A's run was 2 and B's 1: no ejection."""
+    settings = (
+        "health: {enabled: false}\n"
+        "outlier: {consecutive_gateway_failures: 3, base_ejection_time_s: 120,"
+        " max_ejection_percent: 100}\n"
+    )
+    order = ("bad", "good")  # least_request: bad first while in-flight counts tie
+    async with _good_and_bad(tmp_path, settings, order, "--policy", "least_request") as (
+        a, b, good, bad,
+    ):  # fmt: skip
+        for n, worker in enumerate((a, b, a), 1):
+            assert await _post(worker) == 200  # the retry answers from "good"
+            assert len(bad.bodies) == n  # each request's first attempt met "bad"
+        assert await _reasons(a, "bad") == ["ejected"]
+
+        async def held_out_by_b() -> bool:
+            return await _reasons(b, "bad") == ["ejected (another worker)"]
+
+        await _until(held_out_by_b, timeout_s=5.0)
+        assert len(good.bodies) == 3
 
 
 async def _complete(url: str, prompt: str) -> tuple[str, int]:

@@ -19,7 +19,8 @@ They live in one shared-memory segment (``multiprocessing.shared_memory``):
 * per slot, the last **scrape** of the backend (worker 0 scrapes, the others read it,
   each falling back to its own scrape when that record grows old: gateway/scrape.py);
 * the **rate-limit buckets** (JSON, read and written under the lock);
-* per worker, its **health verdicts** per slot (``routing.shared_verdicts``) and a ring
+* per worker, its **health verdicts** per slot and the times of its last failures on
+  each backend (outlier streaks: ``routing.shared_verdicts``) and a ring
   of its **prefix placements** (``routing.shared_prefixes``), and the head of each of
   its admission queues (``gateway/admission/shared_queue.py``);
 * the **LoRA log** of adapter loads and claims (JSON under the lock, with a version
@@ -44,8 +45,8 @@ retires what the dead one still counted (its row, published as negative changes)
 requests that died with it stop counting everywhere.
 
 What stays per worker: the active health probes and the outlier and slow-node state
-machines (their verdicts are shared: ``routing.shared_verdicts``), the approximate
-prefix index (each keeps its own, fed with the siblings' placements:
+machines (their verdicts and failure streaks are shared: ``routing.shared_verdicts``),
+the approximate prefix index (each keeps its own, fed with the siblings' placements:
 ``routing.shared_prefixes``), and the admission queues (each worker queues its own
 requests against the shared budget, in one order across workers:
 ``gateway/admission/shared_queue.py``); see docs/gateway.md ("Workers").
@@ -75,6 +76,8 @@ __all__ = [
     "SCRAPE_FAILED",
     "SCRAPE_OK",
     "SCRAPE_UNAVAILABLE",
+    "STREAK_RING",
+    "VERDICT_SLOT_WORDS",
     "FileLock",
     "LoadLayout",
     "SharedLoad",
@@ -109,6 +112,10 @@ _CREATED: set[str] = set()  # segments this process created (and its tracker unl
 # a queue head per worker and pool: count, priority, oldest arrival (f64), and the
 # count in each lane (short, medium, long; gateway/admission/shared_queue.py)
 QUEUE_WORDS = 6
+# a worker's verdict per slot: flags, weight lost, the time its failure streak on the
+# backend last ended (f64) and a ring of its last STREAK_RING failure times (f64)
+STREAK_RING = 16
+VERDICT_SLOT_WORDS = 3 + STREAK_RING
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,7 +167,8 @@ class LoadLayout:
 
     @property
     def verdict_words(self) -> int:
-        return 1 + self.slots * 2  # version, then (flags, weight lost) per slot
+        # version, then per slot: flags, weight lost, streak reset time, failure times
+        return 1 + self.slots * VERDICT_SLOT_WORDS
 
     @property
     def prefixes_at(self) -> int:

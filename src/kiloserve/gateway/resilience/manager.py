@@ -11,7 +11,9 @@ and writes their verdicts into the live ``BackendTable``:
 With ``--workers N`` (``share``: ``routing.shared_verdicts``) each worker publishes its
 probe, ejection and demotion verdicts and applies its siblings' at every tick: their
 probe failures and ejections as the vetoes ``PEER_PROBE_VETO`` / ``PEER_EJECT_VETO``,
-their demotions as the smaller weight factor. A half-open trial stays the business of
+their demotions as the smaller weight factor. The outlier detector counts one run of
+failures over all workers, and its ``max_ejection_percent`` counts the siblings'
+ejections too. A half-open trial stays the business of
 the worker that ejected the backend (its ``_is_trial_ready`` ignores the siblings'
 ejections, so two workers that both ejected a backend never wait on each other).
 
@@ -79,8 +81,7 @@ class Resilience:
         self._last_progress_s: dict[str, float] = {}
         self._prober: Prober | None = None
         self._task: asyncio.Task[None] | None = None
-        # the sibling workers' verdicts (gateway/workers.py sets it); None: one process
-        self.share: SharedVerdicts | None = None
+        self._share: SharedVerdicts | None = None
         # --workers N, a worker other than 0: True for a backend worker 0 probes now
         # (gateway/workers.py sets it), so the backends get one worker's probes, not N
         self.probed_elsewhere: Callable[[str], bool] | None = None
@@ -89,6 +90,22 @@ class Resilience:
         router.completion_listeners.append(self.on_complete)
         router.first_token_listeners.append(self.on_first_token)
         metrics.registry.register(_ResilienceCollector(self))
+
+    @property
+    def share(self) -> SharedVerdicts | None:
+        """The sibling workers' verdicts and failure runs (gateway/workers.py sets it);
+        None: one process."""
+        return self._share
+
+    @share.setter
+    def share(self, share: SharedVerdicts | None) -> None:
+        self._share = share
+        self.outlier.streaks = share
+        self.outlier.ejected_elsewhere = None if share is None else self._ejected_elsewhere
+
+    def _ejected_elsewhere(self, backend_id: str) -> bool:
+        rec = self.table.record_or_none(backend_id)
+        return rec is not None and PEER_EJECT_VETO in rec.vetoes
 
     # -- traffic -------------------------------------------------------------------
     def on_complete(self, backend_id: str, info: RequestInfo, outcome: Outcome) -> None:

@@ -16,6 +16,11 @@ Envoy's semantics, per backend:
   longer back-off. A passing active health probe also closes a half-open breaker
   (``on_probe_success``), so a backend comes back even when no traffic tests it.
 
+With ``--workers N`` the run of failures is one run across the gateway's workers
+(``streaks``, a ``StreakShare``: ``routing.shared_verdicts``), as Envoy counts a
+host's over all its worker threads, and ``ejected_elsewhere`` says which backends a
+sibling ejected, so ``max_ejection_percent`` holds for the gateway, not per worker.
+
 No I/O and no clock reads: the gateway and the simulator pass ``now_s``.
 """
 
@@ -23,13 +28,20 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["BreakerState", "OutlierConfig", "OutlierDetector", "is_backend_failure"]
+__all__ = [
+    "BreakerState",
+    "OutlierConfig",
+    "OutlierDetector",
+    "StreakShare",
+    "is_backend_failure",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +73,14 @@ def is_backend_failure(status: int) -> bool | None:
     return status >= 500
 
 
+class StreakShare(Protocol):
+    """Failure runs shared with sibling workers (``routing.shared_verdicts``)."""
+
+    def note_reset(self, backend_id: str, now_s: float) -> None: ...
+
+    def note_failure(self, backend_id: str, now_s: float, own_run: int) -> int: ...
+
+
 @dataclass(slots=True)
 class _Breaker:
     state: BreakerState = BreakerState.CLOSED
@@ -79,6 +99,10 @@ class OutlierDetector:
     def __init__(self, cfg: OutlierConfig) -> None:
         self.cfg = cfg
         self._breakers: dict[str, _Breaker] = {}
+        # --workers N: the failure runs over every worker, and the backends a sibling
+        # ejected (None: one process)
+        self.streaks: StreakShare | None = None
+        self.ejected_elsewhere: Callable[[str], bool] | None = None
 
     def _get(self, backend_id: str) -> _Breaker:
         b = self._breakers.get(backend_id)
@@ -114,17 +138,26 @@ class OutlierDetector:
             return False
         if not failed:
             b.num_failures = 0
+            if self.streaks is not None:
+                self.streaks.note_reset(backend_id, now_s)
             return False
         b.num_failures += 1
-        is_run_over = b.num_failures >= self.cfg.consecutive_gateway_failures
+        run = b.num_failures
+        if self.streaks is not None:
+            run = self.streaks.note_failure(backend_id, now_s, run)
+        is_run_over = run >= self.cfg.consecutive_gateway_failures
         if b.state is BreakerState.CLOSED and is_run_over and self._may_eject(backend_id, pool):
-            reason = f"{b.num_failures} consecutive failures (last {status})"
+            reason = f"{run} consecutive failures (last {status})"
             return self._eject(backend_id, b, now_s, reason)
         return False
 
+    def _is_ejected_anywhere(self, backend_id: str) -> bool:
+        elsewhere = self.ejected_elsewhere
+        return self.is_ejected(backend_id) or (elsewhere is not None and elsewhere(backend_id))
+
     def _may_eject(self, backend_id: str, pool: Iterable[str]) -> bool:
         ids = set(pool) | {backend_id}
-        num_ejected = sum(1 for i in ids if i != backend_id and self.is_ejected(i))
+        num_ejected = sum(1 for i in ids if i != backend_id and self._is_ejected_anywhere(i))
         max_num_ejected = max(1, math.floor(len(ids) * self.cfg.max_ejection_percent / 100.0))
         return num_ejected + 1 <= max_num_ejected
 
@@ -137,6 +170,8 @@ class OutlierDetector:
         b.state = BreakerState.EJECTED
         b.ejected_until_s = now_s + duration_s
         b.num_failures = 0
+        if self.streaks is not None:
+            self.streaks.note_reset(backend_id, now_s)
         b.is_trial_in_flight = False
         b.last_reason = reason
         logger.warning("backend %s ejected for %.1f s: %s", backend_id, duration_s, reason)
@@ -145,6 +180,8 @@ class OutlierDetector:
     def _close(self, backend_id: str, b: _Breaker, now_s: float) -> None:
         b.state = BreakerState.CLOSED
         b.num_failures = 0
+        if self.streaks is not None:
+            self.streaks.note_reset(backend_id, now_s)
         b.healthy_since_s = now_s
         logger.info("backend %s back in rotation (half-open check passed)", backend_id)
 

@@ -199,3 +199,95 @@ def test_worker_0s_passing_probes_close_a_half_open_breaker_of_a_worker_that_ski
     assert EJECT_VETO not in w1.table.record("a").vetoes
     w0.tick(time.monotonic())
     assert w0.table.state("a").healthy and w1.table.state("a").healthy
+
+
+def test_failures_spread_over_the_workers_are_one_run(
+    workers: tuple[Resilience, Resilience],
+) -> None:
+    """Envoy counts a host's consecutive failures over all its worker threads. Before,
+    each worker counted its own run: one failure on each of two workers (threshold 2)
+    ejected nothing, and in a fresh-clone CI run four stalls, two on each worker, did
+    not eject the stalled backend."""
+    w0, w1 = workers
+    w0.on_complete("a", _INFO, _FAILED)
+    assert not w0.outlier.is_ejected("a")
+    w1.on_complete("a", _INFO, _FAILED)
+    assert w1.outlier.is_ejected("a")
+    assert w1.outlier.describe("a", time.monotonic())["last_ejection_reason"] == (
+        "2 consecutive failures (last 500)"
+    )
+    w0.tick(time.monotonic())
+    assert w0.table.record("a").vetoes == {PEER_EJECT_VETO}
+
+
+def test_a_success_on_one_worker_ends_the_run_on_every_worker(
+    workers: tuple[Resilience, Resilience],
+) -> None:
+    w0, w1 = workers
+    w0.on_complete("a", _INFO, _FAILED)
+    w1.on_complete("a", _INFO, Outcome(ok=True, status=200))
+    w0.on_complete("a", _INFO, _FAILED)  # a run of one: the success came between
+    assert not w0.outlier.is_ejected("a") and not w1.outlier.is_ejected("a")
+    w1.on_complete("a", _INFO, _FAILED)
+    assert w1.outlier.is_ejected("a")
+
+
+def test_an_ejection_ends_the_run_it_ejected_for(
+    workers: tuple[Resilience, Resilience],
+) -> None:
+    """Worker 0's failure before worker 1's ejection is not counted again: after the
+    ejection, worker 0 needs a run of its own (here with the siblings') from zero."""
+    w0, w1 = workers
+    w0.on_complete("a", _INFO, _FAILED)
+    w1.on_complete("a", _INFO, _FAILED)
+    assert w1.outlier.is_ejected("a")
+    w0.on_complete("a", _INFO, _FAILED)  # a request in flight when it was ejected
+    assert not w0.outlier.is_ejected("a")
+    w0.on_complete("a", _INFO, _FAILED)
+    assert w0.outlier.is_ejected("a")
+
+
+def test_a_long_run_on_one_worker_is_counted_exactly() -> None:
+    """More failures than a sibling's ring holds (``STREAK_RING``): a worker's own run
+    still counts each, so a threshold above the ring still ejects."""
+    from kiloserve.routing.shared_load import STREAK_RING
+
+    owner = SharedLoad.create(LoadLayout(workers=2, slots=4, ring=8))
+    loads = [SharedLoad.attach(owner.name, i) for i in (0, 1)]
+    try:
+        v0, v1 = (SharedVerdicts(load) for load in loads)
+        n = STREAK_RING + 5
+        assert [v0.note_failure("a", float(t), t) for t in range(1, n + 1)][-1] == n
+        # worker 1 sees worker 0's last STREAK_RING failures and its own one
+        assert v1.note_failure("a", n + 1.0, 1) == STREAK_RING + 1
+        v1.note_reset("a", n + 2.0)
+        assert v0.note_failure("a", n + 3.0, n + 1) == 1  # worker 1's success came between
+    finally:
+        for load in loads:
+            load.close()
+        owner.close()
+
+
+def test_max_ejection_percent_counts_the_siblings_ejections() -> None:
+    """Two backends, at most 50% ejected: worker 0 ejected "a", so worker 1's failures on
+    "b" must not eject "b" too (before, each worker held its own 50%, and the two
+    together ejected the whole pool)."""
+    owner = SharedLoad.create(LoadLayout(workers=2, slots=8, ring=16))
+    loads = [SharedLoad.attach(owner.name, i) for i in (0, 1)]
+    pair = (_resilience(), _resilience())
+    try:
+        for r, load in zip(pair, loads, strict=True):
+            r.outlier.cfg = r.outlier.cfg.model_copy(update={"max_ejection_percent": 50.0})
+            r.share = SharedVerdicts(load)
+            r.share.clear()
+        w0, w1 = pair
+        _eject(w0, "a")
+        w1.tick(time.monotonic())
+        for _ in range(4):
+            w1.on_complete("b", _INFO, _FAILED)
+        assert not w1.outlier.is_ejected("b")
+        assert w1.table.state("b").healthy
+    finally:
+        for load in loads:
+            load.close()
+        owner.close()
