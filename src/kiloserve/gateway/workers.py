@@ -273,6 +273,7 @@ def attach_worker(
     verdicts = SharedVerdicts(shared)
     verdicts.clear()  # a dead predecessor's verdicts stop counting
     app[RESILIENCE_KEY].share = verdicts
+    shared.on_sample = app[RESILIENCE_KEY].on_sibling_sample  # the demoter sees all traffic
     if worker != 0:  # worker 0 probes for all while it lives (as it scrapes for all)
         max_age_s = follow_age_s(cfg.scrape_interval_s, cfg.scrape_timeout_s)
         app[RESILIENCE_KEY].probed_elsewhere = _scraped_lately(shared, max_age_s)

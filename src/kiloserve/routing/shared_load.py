@@ -37,8 +37,9 @@ routing decision and before every read of the table), so each worker's
 ``BackendState`` counters are the sum over all workers, exact up to the changes a peer
 makes while a decision runs. ``publish_sample`` records a sample this worker's EWMAs
 learned from (a dispatch's prefill work, a TTFT, a TPOT: ``policies.accounting``);
-``pull`` feeds the peers' samples to this worker's EWMAs (``note_sample``), so every
-worker learns the backends' speeds from all of the gateway's traffic, not its share.
+``pull`` feeds the peers' samples to this worker's EWMAs (``note_sample``) and to
+``on_sample`` (the slow-node demoter's windows), so every worker learns the backends'
+speeds from all of the gateway's traffic, not its share.
 A reader that fell more than a ring behind (a stalled worker) rebuilds its view from
 the rows (the EWMAs keep what they learned). A worker that replaces a dead one first
 retires what the dead one still counted (its row, published as negative changes), so
@@ -232,6 +233,9 @@ class SharedLoad(JsonAreas):
         self._admin_seen = -1
         self._full_warned = False
         self._num_resyncs = 0
+        # told every sibling's sample ``pull`` applies: (backend id, kind, value); the
+        # slow-node demoter's (gateway/resilience/manager.py: ``on_sibling_sample``)
+        self.on_sample: Callable[[str, int, float], None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------
     @classmethod
@@ -417,6 +421,8 @@ class SharedLoad(JsonAreas):
                     setattr(s, attr, getattr(s, attr) + q[e + 2])
                 else:  # a sample (publish_sample)
                     note_sample(s, f - _NF, self._d[e + 2])
+                    if self.on_sample is not None:
+                        self.on_sample(name, f - _NF, self._d[e + 2])
             if q[base + 1] - start > lay.ring:  # overwritten while we read: start over
                 self.resync(state_of)
                 return

@@ -13,9 +13,11 @@ probe, ejection and demotion verdicts and applies its siblings' at every tick: t
 probe failures and ejections as the vetoes ``PEER_PROBE_VETO`` / ``PEER_EJECT_VETO``,
 their demotions as the smaller weight factor. The outlier detector counts one run of
 failures over all workers, and its ``max_ejection_percent`` counts the siblings'
-ejections too. A half-open trial stays the business of
-the worker that ejected the backend (its ``_is_trial_ready`` ignores the siblings'
-ejections, so two workers that both ejected a backend never wait on each other).
+ejections too; the demoter's windows take the siblings' TTFT and TPOT samples
+(``on_sibling_sample``), so it judges all of the gateway's traffic. A half-open trial
+stays the business of the worker that ejected the backend (its ``_is_trial_ready``
+ignores the siblings' ejections, so two workers that both ejected a backend never wait
+on each other).
 
 It listens to every first token and finished attempt (the ``Router``'s
 ``first_token_listeners`` and ``completion_listeners``), runs a tick every
@@ -45,6 +47,7 @@ from kiloserve.gateway.resilience.demotion import SlowNodeDemoter
 from kiloserve.gateway.resilience.health import ProbeTracker, wants_completion_probe
 from kiloserve.gateway.resilience.outlier import OutlierDetector
 from kiloserve.gateway.resilience.prober import COMPLETION_TIMEOUT, Prober
+from kiloserve.policies.accounting import SAMPLE_TPOT, SAMPLE_TTFT
 from kiloserve.policies.base import Outcome, RequestInfo
 from kiloserve.routing.router import Router
 from kiloserve.routing.shared_verdicts import EJECT, PROBE, SharedVerdicts
@@ -125,6 +128,19 @@ class Resilience:
         now_s = time.monotonic()
         self._last_progress_s[backend_id] = now_s
         self.demoter.observe(backend_id, now_s, ttft_ms, None)
+
+    def on_sibling_sample(self, backend_id: str, kind: int, value: float) -> None:
+        """A sibling worker's TTFT or TPOT sample (``SharedLoad.on_sample``): the
+        demoter judges every worker's traffic, as one process would (before, each judged
+        its own share, so with N workers a slow node took N times the samples to show).
+        A sibling's TPOT samples include attempts that failed after their tokens (the
+        sample channel does not say which), which this worker's own exclude."""
+        now_s = time.monotonic()
+        if kind == SAMPLE_TTFT:
+            self._last_progress_s[backend_id] = now_s  # a busy engine, not a hung one
+            self.demoter.observe(backend_id, now_s, value, None)
+        elif kind == SAMPLE_TPOT:
+            self.demoter.observe(backend_id, now_s, None, value)
 
     def admit(self, ranked: tuple[str, ...], pool: frozenset[str]) -> tuple[str, ...]:
         """Put one half-open backend of ``pool`` first (its trial request), if any; with
@@ -243,6 +259,7 @@ class Resilience:
     # -- ticks ---------------------------------------------------------------------
     def tick(self, now_s: float) -> None:
         self.outlier.tick(now_s)
+        self.table.sync()  # the siblings' samples reach the demoter while this one idles
         ids = self.table.backend_ids()
         self._apply_peers(ids)
         # compare only with healthy peers: a just-restarted or ejected one is no yardstick

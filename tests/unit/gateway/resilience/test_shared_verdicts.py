@@ -291,3 +291,45 @@ def test_max_ejection_percent_counts_the_siblings_ejections() -> None:
         for load in loads:
             load.close()
         owner.close()
+
+
+def _routed_pair(
+    loads: list[SharedLoad],
+) -> tuple[tuple[Resilience, Router], tuple[Resilience, Router]]:
+    """Two workers whose tables share the load segment (samples included), wired as
+    ``gateway/workers.py`` wires them."""
+    pair = []
+    for load in loads:
+        r = _resilience()
+        router = Router(r.table, LeastRequestPolicy(), random.Random(0))
+        router.first_token_listeners.append(r.on_first_token)
+        r.table.shared = load
+        load.on_sample = r.on_sibling_sample
+        r.share = SharedVerdicts(load)
+        r.share.clear()
+        pair.append((r, router))
+    return pair[0], pair[1]
+
+
+def test_the_demoter_judges_every_workers_samples() -> None:
+    """Slow first tokens on "a" (5,000 ms over a 1,000 ms bound, two samples needed),
+    one met by each worker: each worker's demoter has both and demotes it. Before, each
+    judged only its own share (one sample each: nothing), so with N workers a slow node
+    took N times the samples to be demoted."""
+    owner = SharedLoad.create(LoadLayout(workers=2, slots=8, ring=16))
+    loads = [SharedLoad.attach(owner.name, i) for i in (0, 1)]
+    try:
+        (w0, r0), (w1, r1) = _routed_pair(loads)
+        r0.first_token("a", _INFO, 5000.0)
+        r1.first_token("a", _INFO, 5000.0)
+        now = time.monotonic()
+        w0.tick(now)
+        w1.tick(now)
+        low = w0.cfg.demotion.demoted_weight
+        for w in (w0, w1):
+            assert w.demoter.weight_factor("a", now) == pytest.approx(low)
+            assert w.demoter.weight_factor("b", now) == 1.0
+    finally:
+        for load in loads:
+            load.close()
+        owner.close()
