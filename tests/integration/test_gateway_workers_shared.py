@@ -8,7 +8,8 @@ holds it out too (``routing.shared_verdicts``). Before the sharing, B kept sendi
 requests until it had met the same failures itself; failures met by both workers are
 one run, as in one process. Likewise a prefix A placed on a
 backend is found there by B (``routing.shared_prefixes``), and the speeds A learned
-from its requests are B's too (``SharedLoad.publish_sample``).
+from its requests are B's too (``SharedLoad.publish_sample``), and a Responses API
+follow-up through B finds the backend that answered A (``routing.shared_responses``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from test_gateway_fakes import FakeBackend, fake_backends
+from test_gateway_twins import MODEL, twins
 from test_gateway_workers import _get, _until
 
 from kiloserve.gateway.headers import BACKEND_HEADER, CACHED_TOKENS_HEADER
@@ -334,3 +336,35 @@ async def test_worker_0_probes_for_every_worker(tmp_path: Path) -> None:
         num_probes = good.num_probes - before
     one_worker = watch_s / interval_s  # probes of one worker in the time (at most)
     assert 0 < num_probes <= 1.5 * one_worker, num_probes
+
+
+async def _respond(url: str, previous: str | None) -> tuple[int, str, str]:
+    """A Responses API turn through ``url`` on a fresh connection: (status, the backend
+    that answered, the response's id)."""
+    body: dict[str, object] = {"model": MODEL, "input": "next turn", "max_output_tokens": 2}
+    if previous is not None:
+        body["previous_response_id"] = previous
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with (
+        aiohttp.ClientSession(connector=connector) as s,
+        s.post(url + "/v1/responses", json=body) as r,
+    ):
+        data = await r.json()
+        return r.status, r.headers.get(BACKEND_HEADER, ""), str(data.get("id", ""))
+
+
+async def test_a_responses_follow_up_finds_its_backend_on_every_worker() -> None:
+    """vLLM (and the twin) keep a Responses conversation on the engine that answered
+    it; any other answers 404. Worker A relays the first turn; the follow-ups, on new
+    connections through worker B, go to the same twin (``routing.shared_responses``).
+    Before, B had never seen the id and round robin spread them: 404s."""
+    async with twins({}, {}, {}) as servers:
+        args = [a for t in servers for a in ("--backend", t.url)]
+        async with _workers(*args, "--policy", "round_robin") as (url, proc):
+            a, b = await _private_urls(url, proc.pid)
+            status, owner, previous = await _respond(a, None)
+            assert status == 200 and previous.startswith("resp_")
+            for turn in range(4):
+                worker = (b, a)[turn % 2]
+                status, got, previous = await _respond(worker, previous)
+                assert (status, got) == (200, owner), turn

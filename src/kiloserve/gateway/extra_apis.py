@@ -15,7 +15,9 @@ limits, admission, the policy's decision, retries before the first byte). Here:
   bounded LRU of ``MAX_RESPONSE_IDS``, learnt from the answer's first ``resp_`` id), and
   a request with a known ``previous_response_id`` goes there first while it is routable
   (``Router.pins``); otherwise the policy decides as usual (session key: the
-  ``x-session-id`` header or ``user``, or Anthropic's ``metadata.user_id``).
+  ``x-session-id`` header or ``user``, or Anthropic's ``metadata.user_id``). With
+  ``--workers N`` the workers share the ids they learn (``routing.shared_responses``),
+  so a follow-up finds its backend whichever worker takes it.
 * streams (SSE with ``event:`` lines) are relayed byte for byte; TTFT is the first
   content event (``response.output_text.delta`` / ``content_block_delta``), and the
   output tokens are the number of such events.
@@ -39,10 +41,12 @@ from kiloserve.errors import NotFoundError, RequestError
 from kiloserve.gateway.api_hooks import HOOKS_KEY, ApiHooks
 from kiloserve.gateway.headers import BACKEND_HEADER
 from kiloserve.routing.router import Router
+from kiloserve.routing.shared_responses import SharedResponses, response_key
 
 __all__ = [
     "EXTRA_API_PATHS",
     "MAX_RESPONSE_IDS",
+    "OWNERS_KEY",
     "STREAM_MARKERS",
     "ResponseOwners",
     "api_view",
@@ -72,29 +76,42 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class ResponseOwners:
-    """Response id -> the backend that produced it, at most ``max_num_ids`` (LRU)."""
+    """Response id -> the backend that produced it, at most ``max_num_ids`` (LRU), keyed
+    by the id's 64-bit hash (``response_key``). With ``--workers N`` (``share``) every id
+    learnt is written for the siblings, and a look-up first takes in theirs."""
 
     def __init__(self, max_num_ids: int = MAX_RESPONSE_IDS) -> None:
         self._max_num_ids = max_num_ids
-        self._owners: OrderedDict[str, str] = OrderedDict()
+        self._owners: OrderedDict[int, str] = OrderedDict()
+        self.share: SharedResponses | None = None  # gateway/workers.py sets it
 
     def __len__(self) -> int:
         return len(self._owners)
 
     def remember(self, response_id: str, backend_id: str) -> None:
-        self._owners[response_id] = backend_id
-        self._owners.move_to_end(response_id)
+        key = response_key(response_id)
+        self._put(key, backend_id)
+        if self.share is not None:
+            self.share.publish(key, backend_id)
+
+    def _put(self, key: int, backend_id: str) -> None:
+        self._owners[key] = backend_id
+        self._owners.move_to_end(key)
         if len(self._owners) > self._max_num_ids:
             self._owners.popitem(last=False)
 
     def owner(self, response_id: str) -> str | None:
-        backend_id = self._owners.get(response_id)
+        if self.share is not None:
+            for key, sibling_backend_id in self.share.pull():
+                self._put(key, sibling_backend_id)
+        key = response_key(response_id)
+        backend_id = self._owners.get(key)
         if backend_id is not None:
-            self._owners.move_to_end(response_id)
+            self._owners.move_to_end(key)
         return backend_id
 
 
-_OWNERS_KEY = web.AppKey("kiloserve_response_owners", ResponseOwners)
+OWNERS_KEY = web.AppKey("kiloserve_response_owners", ResponseOwners)
 _ROUTER_KEY = web.AppKey("kiloserve_extra_api_router", Router)
 
 
@@ -209,7 +226,7 @@ def api_view(request: web.Request, body: Mapping[str, Any], request_id: str) -> 
         return body
     previous = body.get("previous_response_id")
     if hooks.path == RESPONSES_PATH and isinstance(previous, str):
-        owner = request.app[_OWNERS_KEY].owner(previous)
+        owner = request.app[OWNERS_KEY].owner(previous)
         if owner is not None:
             request.app[_ROUTER_KEY].pins[request_id] = owner
             hooks.pinned_request_id = request_id
@@ -266,7 +283,7 @@ def install_extra_apis(
 ) -> None:
     """Route ``EXTRA_API_PATHS`` through ``proxy`` (the front door's ``_proxy``)."""
     owners = ResponseOwners(max_response_ids)
-    app[_OWNERS_KEY] = owners
+    app[OWNERS_KEY] = owners
     app[_ROUTER_KEY] = router
     for path in EXTRA_API_PATHS:
         app.router.add_post(path, _handler(path, proxy, router, owners))

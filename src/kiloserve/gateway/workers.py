@@ -62,6 +62,7 @@ from kiloserve.gateway.app import (
 )
 from kiloserve.gateway.config import GatewayConfig, parse_gateway_config
 from kiloserve.gateway.dashboard import DASHBOARD_SIBLINGS_KEY
+from kiloserve.gateway.extra_apis import OWNERS_KEY
 from kiloserve.gateway.lora import LORA_KEY
 from kiloserve.gateway.lora_shared import SharedLora
 from kiloserve.gateway.peers import PEERS_KEY
@@ -70,6 +71,7 @@ from kiloserve.gateway.scrape import follow_age_s
 from kiloserve.gateway.worker_metrics import WorkerMetrics
 from kiloserve.routing.shared_load import FileLock, LoadLayout, SharedLoad
 from kiloserve.routing.shared_prefixes import SharedPrefixes
+from kiloserve.routing.shared_responses import SharedResponses
 from kiloserve.routing.shared_verdicts import SharedVerdicts
 
 __all__ = ["attach_worker", "run_workers", "worker_main"]
@@ -254,7 +256,8 @@ def attach_worker(
     which then ignores its siblings), the merged ``/metrics``, the scrapes (worker 0
     scrapes for all), the rate-limit buckets, the health verdicts (probe failures,
     ejections and demotions: ``routing.shared_verdicts``), the prefix placements
-    of the approximate index (``routing.shared_prefixes``), the admission queues'
+    of the approximate index (``routing.shared_prefixes``), the Responses API ids
+    (``routing.shared_responses``), the admission queues'
     order (``gateway/admission/shared_queue.py``) and the LoRA loads
     (``gateway/lora_shared.py``); the dashboard answers for all of them
     (``gateway/dashboard_merge.py``)."""
@@ -280,6 +283,9 @@ def attach_worker(
     router = app[CTX_KEY].router
     prefixes = SharedPrefixes(shared)
     router.before_decide = lambda: prefixes.pull(router.policy)
+    owners = app.get(OWNERS_KEY)
+    if owners is not None:  # a Responses follow-up finds its backend on every worker
+        owners.share = SharedResponses(shared)
     lora = app.get(LORA_KEY)
     if lora is not None:
         lora.shared = SharedLora(shared, worker)

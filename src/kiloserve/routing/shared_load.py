@@ -28,7 +28,9 @@ They live in one shared-memory segment (``multiprocessing.shared_memory``):
 * the **registry view**: the etcd registry's records as last seen by a worker (JSON
   under the lock, ``key -> record``), so a worker that starts while etcd is down (one
   that replaces a dead worker) routes to the backends its siblings know
-  (``gateway/registry/watch.py``).
+  (``gateway/registry/watch.py``);
+* per worker, a ring of the **Responses API ids** it relayed and their backends
+  (``routing.shared_responses``).
 
 ``publish`` records this worker's change (called by the table right after the
 accounting changed its own state, with the exact delta it applied). ``pull`` applies
@@ -98,8 +100,8 @@ FIELDS = (
 )
 _NF = len(FIELDS)
 _MAGIC = 0x4B494C4F4C4F4144  # "KILOLOAD"
-_HEADER = 9  # magic, workers, slots, ring, admin version, bucket bytes, prefix ring, lora,
-# registry bytes
+_HEADER = 10  # magic, workers, slots, ring, admin version, bucket bytes, prefix ring, lora,
+# registry bytes, response ring
 _NAME_BYTES = 248
 _NAME_WORDS = 1 + _NAME_BYTES // 8  # length word + utf-8 bytes
 _ENTRY = 3  # slot, field, delta
@@ -130,6 +132,7 @@ class LoadLayout:
     prefix_ring: int = 1 << 18  # words per worker for its prefix placements
     lora_bytes: int = 1 << 20  # the LoRA log and last-request times (JSON, under the lock)
     registry_bytes: int = 4 << 20  # the registry view (JSON, under the lock: ~250 B a backend)
+    response_ring: int = 1 << 18  # words per worker: (id hash, slot) of its Responses ids
 
     @property
     def names_at(self) -> int:
@@ -188,8 +191,12 @@ class LoadLayout:
         return self.lora_at + 2 + self.lora_bytes // 8
 
     @property
-    def words(self) -> int:
+    def responses_at(self) -> int:  # per worker: entries written, then its ring
         return self.registry_at + 1 + self.registry_bytes // 8
+
+    @property
+    def words(self) -> int:
+        return self.responses_at + self.workers * (1 + self.response_ring)
 
 
 def _buf(shm: shared_memory.SharedMemory) -> memoryview:
@@ -250,6 +257,7 @@ class SharedLoad(JsonAreas):
         q[6] = layout.prefix_ring
         q[7] = layout.lora_bytes
         q[8] = layout.registry_bytes
+        q[9] = layout.response_ring
         q[0] = _MAGIC
         q.release()
         return cls(shm, layout, -1, lock, owner=True)
@@ -270,7 +278,7 @@ class SharedLoad(JsonAreas):
             raise ValueError(f"shared memory {name!r} is not a kiloserve load segment")
         layout = LoadLayout(
             workers=q[1], slots=q[2], ring=q[3], bucket_bytes=q[5], prefix_ring=q[6],
-            lora_bytes=q[7], registry_bytes=q[8],
+            lora_bytes=q[7], registry_bytes=q[8], response_ring=q[9],
         )  # fmt: skip
         q.release()
         if not 0 <= worker < layout.workers:
