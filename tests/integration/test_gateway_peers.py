@@ -1,6 +1,7 @@
 """Gateways that act as one: two ``kiloserve gateway`` processes share their in-flight
 view through a real ``redis-server`` (``peers: {enabled: true}``), and each falls back
-to its own view when Redis goes away."""
+to its own view when Redis goes away; a Responses API follow-up through either gateway
+reaches the twin that holds its conversation."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 from test_gateway_fakes import FakeBackend, fake_backends, gateway_process
+from test_gateway_twins import MODEL, twins
 from test_ratelimit_redis import REDIS, redis_url  # noqa: F401 - the fixture
 
+from kiloserve.gateway.headers import BACKEND_HEADER
 from kiloserve.routing.engine_metrics import parse_samples
 
 pytestmark = [
@@ -121,3 +124,40 @@ async def test_two_gateways_count_as_one_and_fall_back_without_redis(
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _respond(gw: str, previous: str | None) -> tuple[int, str, str]:
+    """A Responses API turn through ``gw``: (status, the backend that answered, its id)."""
+    body: dict[str, object] = {"model": MODEL, "input": "next turn", "max_output_tokens": 2}
+    if previous is not None:
+        body["previous_response_id"] = previous
+    async with aiohttp.ClientSession() as s, s.post(gw + "/v1/responses", json=body) as r:
+        data = await r.json()
+        return r.status, r.headers.get(BACKEND_HEADER, ""), str(data.get("id", ""))
+
+
+async def test_a_responses_follow_up_through_the_other_gateway_finds_its_backend(
+    redis_url: str,  # noqa: F811 - the fixture
+    tmp_path: Path,
+) -> None:
+    """The twins keep a Responses conversation where it was answered (as vLLM does);
+    any other twin answers 404. The two gateways list the twins in opposite orders, so
+    on idle twins least_request picks a different first twin on each: a follow-up
+    through the other gateway reached the wrong twin before the gateways shared the
+    ids (``"r"`` in the peer messages)."""
+    conf = tmp_path / "gw.yaml"
+    conf.write_text(f"peers: {{enabled: true, redis_url: '{redis_url}'}}\n")
+    async with twins({}, {}, {}) as servers:
+        urls = [t.url for t in servers]
+        async with _gateway(conf, *urls) as g1, _gateway(conf, *reversed(urls)) as g2:
+
+            async def peered() -> bool:
+                return all([await _metric(g, "kiloserve_gateway_peers") == 1 for g in (g1, g2)])
+
+            await _until(peered)
+            status, owner, previous = await _respond(g1, None)
+            assert status == 200 and previous.startswith("resp_")
+            for turn in range(4):
+                await asyncio.sleep(0.5)  # the channel's delay (a Redis round trip)
+                status, got, previous = await _respond((g2, g1)[turn % 2], previous)
+                assert (status, got) == (200, owner), turn

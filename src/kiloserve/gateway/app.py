@@ -68,7 +68,7 @@ from kiloserve.gateway.lora import LORA_KEY, install_lora
 from kiloserve.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from kiloserve.gateway.model_cards import ModelCardCache
 from kiloserve.gateway.output_history import install_output_history
-from kiloserve.gateway.peers import install_peers
+from kiloserve.gateway.peers import PEERS_KEY, install_peers
 from kiloserve.gateway.profile import Profiler
 from kiloserve.gateway.proxy import ProxyContext, forward
 from kiloserve.gateway.registry.watch import start_registry
@@ -586,7 +586,8 @@ def create_gateway_app(cfg: GatewayConfig, *, policy: Policy | None = None) -> w
     install_output_history(app, cfg, profiler, gw_metrics.registry)  # shared through Redis
     install_inventory(app, table, cfg)  # engine and model versions (S5.5)
     install_lora(app, cfg.lora, table, router, cfg.discovery_interval_s, cfg.connect_timeout_s)
-    install_extra_apis(app, _proxy, router)  # /v1/responses, /v1/messages, ... (issue 18)
+    # /v1/responses, /v1/messages, ... (issue 18); Responses ids shared with the peers
+    install_extra_apis(app, _proxy, router, peers=app.get(PEERS_KEY))
     ctx.is_traced = install_tracing(app, cfg.tracing)  # OpenTelemetry spans (issue 18)
     app.on_startup.append(_on_startup)
     app.on_cleanup.append(_on_cleanup)

@@ -17,7 +17,8 @@ limits, admission, the policy's decision, retries before the first byte). Here:
   (``Router.pins``); otherwise the policy decides as usual (session key: the
   ``x-session-id`` header or ``user``, or Anthropic's ``metadata.user_id``). With
   ``--workers N`` the workers share the ids they learn (``routing.shared_responses``),
-  so a follow-up finds its backend whichever worker takes it.
+  so a follow-up finds its backend whichever worker takes it, and with ``peers`` on
+  the gateways share them through Redis (``gateway/peers.py``).
 * streams (SSE with ``event:`` lines) are relayed byte for byte; TTFT is the first
   content event (``response.output_text.delta`` / ``content_block_delta``), and the
   output tokens are the number of such events.
@@ -40,6 +41,7 @@ from kiloserve.engine.agent_protocol import anthropic_chat_messages, responses_c
 from kiloserve.errors import NotFoundError, RequestError
 from kiloserve.gateway.api_hooks import HOOKS_KEY, ApiHooks
 from kiloserve.gateway.headers import BACKEND_HEADER
+from kiloserve.gateway.peers import PeerLoad
 from kiloserve.routing.router import Router
 from kiloserve.routing.shared_responses import SharedResponses, response_key
 
@@ -78,12 +80,15 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 class ResponseOwners:
     """Response id -> the backend that produced it, at most ``max_num_ids`` (LRU), keyed
     by the id's 64-bit hash (``response_key``). With ``--workers N`` (``share``) every id
-    learnt is written for the siblings, and a look-up first takes in theirs."""
+    learnt is written for the siblings, and a look-up first takes in theirs; with
+    ``peers`` on, every id learnt goes to the other gateways too (``peers``), and theirs
+    come in through ``take``."""
 
     def __init__(self, max_num_ids: int = MAX_RESPONSE_IDS) -> None:
         self._max_num_ids = max_num_ids
         self._owners: OrderedDict[int, str] = OrderedDict()
         self.share: SharedResponses | None = None  # gateway/workers.py sets it
+        self.peers: Callable[[int, str], None] | None = None  # gateway/app.py sets it
 
     def __len__(self) -> int:
         return len(self._owners)
@@ -93,6 +98,12 @@ class ResponseOwners:
         self._put(key, backend_id)
         if self.share is not None:
             self.share.publish(key, backend_id)
+        if self.peers is not None:
+            self.peers(key, backend_id)
+
+    def take(self, key: int, backend_id: str) -> None:
+        """An id another gateway learnt (``gateway/peers.py``)."""
+        self._put(key, backend_id)
 
     def _put(self, key: int, backend_id: str) -> None:
         self._owners[key] = backend_id
@@ -279,10 +290,18 @@ def _handler(path: str, proxy: Proxy, router: Router, owners: ResponseOwners) ->
 
 
 def install_extra_apis(
-    app: web.Application, proxy: Proxy, router: Router, max_response_ids: int = MAX_RESPONSE_IDS
+    app: web.Application,
+    proxy: Proxy,
+    router: Router,
+    max_response_ids: int = MAX_RESPONSE_IDS,
+    peers: PeerLoad | None = None,
 ) -> None:
-    """Route ``EXTRA_API_PATHS`` through ``proxy`` (the front door's ``_proxy``)."""
+    """Route ``EXTRA_API_PATHS`` through ``proxy`` (the front door's ``_proxy``);
+    ``peers``: the other gateways learn the Responses ids and this one theirs."""
     owners = ResponseOwners(max_response_ids)
+    if peers is not None:
+        owners.peers = peers.publish_response
+        peers.on_response = owners.take
     app[OWNERS_KEY] = owners
     app[_ROUTER_KEY] = router
     for path in EXTRA_API_PATHS:

@@ -26,6 +26,14 @@ them to its own EWMAs, so two gateways that each see half the traffic learn the
 backends' speeds from all of it. A lost message loses its samples (an EWMA needs no
 exact count); a gateway cut off from Redis learns from its own requests only.
 
+Responses API ids too: each message carries the ids this gateway learnt since its last
+message (``"r"``: ``[key, backend]``, the id's 64-bit hash as
+``routing.shared_responses.response_key`` makes it), and every peer adds them to its
+``ResponseOwners`` (``on_response``), so a ``previous_response_id`` follow-up through
+another gateway reaches the backend that holds the conversation (within the channel's
+delay: a Redis round trip, at most ``flush_interval_s`` in a burst). A lost message
+loses its ids; that follow-up is then routed by the policy.
+
 The workers of one gateway (``--workers N``) share through memory
 (``routing.shared_load``): each worker is a Redis peer of its own for the other
 gateways, and ignores the messages of its sibling workers (same ``instance``).
@@ -67,8 +75,10 @@ logger = logging.getLogger(__name__)
 
 _NF = len(FIELDS)
 _ZERO = (0,) * _NF
-# samples kept for the next message; more (Redis slow or down) drop the oldest
+# samples (and Responses ids) kept for the next message; more (Redis slow or down)
+# drop the oldest
 MAX_SAMPLES_PER_MESSAGE = 4096
+_INT64 = range(-(1 << 63), 1 << 63)
 
 
 class _Peer:
@@ -127,6 +137,10 @@ class PeerLoad:
         self._own: dict[str, list[int]] = {}
         self._dirty: set[str] = set()
         self._samples: list[tuple[str, int, float]] = []
+        self._responses: list[tuple[int, str]] = []
+        # told every Responses id a peer learnt: (key, backend id) (gateway/app.py
+        # binds it to the ResponseOwners)
+        self.on_response: Callable[[int, str], None] | None = None
         self._wake = asyncio.Event()  # set by a change while the send loop idles
         self._peers: dict[str, _Peer] = {}
         self._inbox: list[dict[str, Any]] = []
@@ -169,6 +183,15 @@ class PeerLoad:
         if len(samples) >= MAX_SAMPLES_PER_MESSAGE:
             del samples[: len(samples) - MAX_SAMPLES_PER_MESSAGE + 1]
         samples.append((backend_id, kind, value))
+        if not self._wake.is_set():
+            self._wake.set()
+
+    def publish_response(self, key: int, backend_id: str) -> None:
+        """A Responses API id this process learnt (its ``response_key``) for the peers."""
+        responses = self._responses
+        if len(responses) >= MAX_SAMPLES_PER_MESSAGE:
+            del responses[: len(responses) - MAX_SAMPLES_PER_MESSAGE + 1]
+        responses.append((key, backend_id))
         if not self._wake.is_set():
             self._wake.set()
 
@@ -237,6 +260,7 @@ class PeerLoad:
             logger.info("peer gateway %s joined", pid)
         peer.last_seen_s = self._clock()
         _learn(msg.get("s"), state_of)
+        self._learn_responses(msg.get("r"))
         backends = msg.get("b") or {}
         for bid, raw in backends.items():
             new = tuple(int(v) for v in raw[:_NF])
@@ -251,6 +275,17 @@ class PeerLoad:
         if msg.get("full"):  # a snapshot: what it no longer lists is zero
             for bid in [b for b in peer.counts if b not in backends]:
                 _apply(state_of(bid), peer.counts.pop(bid), -1)
+
+    def _learn_responses(self, entries: Any) -> None:
+        """A peer's Responses ids (``[[key, backend], ...]``) to ``on_response``;
+        malformed entries are skipped."""
+        if not isinstance(entries, list) or self.on_response is None:
+            return
+        for entry in entries:
+            if isinstance(entry, list) and len(entry) == 2:
+                key, bid = entry
+                if type(key) is int and key in _INT64 and isinstance(bid, str) and bid:
+                    self.on_response(key, bid)
 
     def _forget(self, pid: str, state_of: Callable[[str], BackendState | None]) -> None:
         peer = self._peers.pop(pid, None)
@@ -268,7 +303,7 @@ class PeerLoad:
     def _message(self, *, full: bool) -> bytes | None:
         if full:
             names = list(self._own)
-        elif self._dirty or self._samples:
+        elif self._dirty or self._samples or self._responses:
             names = list(self._dirty)
         else:
             return None
@@ -280,6 +315,8 @@ class PeerLoad:
         msg: dict[str, Any] = {"id": self.peer_id, "inst": self.instance, "full": full, "b": body}
         if self._samples:
             msg["s"], self._samples = self._samples, []
+        if self._responses:
+            msg["r"], self._responses = self._responses, []
         return orjson.dumps(msg)
 
     async def start(self) -> None:

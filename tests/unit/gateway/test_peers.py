@@ -234,3 +234,26 @@ def test_a_gateway_with_several_workers_is_one_peer() -> None:
     _send(p1, p2, full=True)
     t2.sync()
     assert p2.num_peers == 1
+
+
+def test_each_gateway_learns_the_others_responses_ids() -> None:
+    """A Responses id one gateway learnt reaches the other's ``ResponseOwners``, so a
+    ``previous_response_id`` follow-up through it finds the backend that holds the
+    conversation (before, only the gateway that relayed the answer knew it)."""
+    from kiloserve.gateway.extra_apis import ResponseOwners
+    from kiloserve.routing.shared_responses import response_key
+
+    clock = _Clock()
+    (_, p1), (_, p2) = _gateway(clock, "g1"), _gateway(clock, "g2")
+    owners1, owners2 = ResponseOwners(), ResponseOwners()
+    for owners, peers in ((owners1, p1), (owners2, p2)):
+        owners.peers = peers.publish_response
+        peers.on_response = owners.take
+    owners1.remember("resp_1", "a")
+    raw = p1._message(full=False)  # an id alone is worth a message
+    assert raw is not None and orjson.loads(raw)["r"] == [[response_key("resp_1"), "a"]]
+    p2._take(orjson.loads(raw), lambda _b: None)
+    assert owners2.owner("resp_1") == "a" and owners2.owner("resp_2") is None
+    bad = {"id": "g3:1", "inst": "g3", "r": [[1.5, "a"], ["k", "a"], [1 << 64, "a"], [2, ""], 7]}
+    p2._take(bad, lambda _b: None)  # malformed entries are skipped
+    assert len(owners2) == 1
