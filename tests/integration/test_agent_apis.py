@@ -126,6 +126,32 @@ async def test_previous_response_id_sticks_to_the_backend_that_has_it() -> None:
     assert follow.headers[BACKEND] == owner and follow.parse().usage is not None
 
 
+async def test_a_follow_up_of_a_conversation_the_gateway_never_saw_finds_its_twin() -> None:
+    """The first turn went straight to the last twin (as if through another gateway, or
+    before this one restarted): the gateway does not know the id, and least_request
+    picks the first twin, which answers 404. The gateway tries the pool's other twins
+    before answering (before: the 404 reached the client), every one of them even with
+    ``retries: 0``, learns where the new turn went, and an id no twin holds still gets
+    the engine's own 404."""
+    async with twins({}, {}, {}) as servers:
+        cfg = _config(servers, policy={"name": "least_request"}, retries=0)
+        async with running_gateway(cfg) as url, _client(url) as client:
+            direct = await _post(servers[2].url, "/v1/responses", {
+                "model": MODEL, "input": "started elsewhere", "max_output_tokens": 2,
+            })  # fmt: skip
+            previous = orjson.loads(direct[2])["id"]
+            for turn in range(2):
+                raw = await client.responses.with_raw_response.create(
+                    model=MODEL, input=f"turn {turn}", max_output_tokens=2,
+                    previous_response_id=previous,
+                )  # fmt: skip
+                assert raw.headers[BACKEND] == "twin2", turn
+                previous = raw.parse().id
+            body = {"model": MODEL, "input": "x", "previous_response_id": "resp_nobody"}
+            status, _, answer = await _post(url, "/v1/responses", body)
+    assert status == 404 and b"resp_nobody" in answer and b"not found" in answer
+
+
 async def test_anthropic_messages_through_gateway_non_stream_and_stream() -> None:
     async with twins({}) as servers, running_gateway(_config(servers)) as url:
         body = {

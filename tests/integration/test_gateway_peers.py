@@ -144,7 +144,8 @@ async def test_a_responses_follow_up_through_the_other_gateway_finds_its_backend
     any other twin answers 404. The two gateways list the twins in opposite orders, so
     on idle twins least_request picks a different first twin on each: a follow-up
     through the other gateway reached the wrong twin before the gateways shared the
-    ids (``"r"`` in the peer messages)."""
+    ids (``"r"`` in the peer messages); now it goes to the right one at once, with no
+    retry (the fallback for an unknown id, asking the twins in turn, is not needed)."""
     conf = tmp_path / "gw.yaml"
     conf.write_text(f"peers: {{enabled: true, redis_url: '{redis_url}'}}\n")
     async with twins({}, {}, {}) as servers:
@@ -161,3 +162,8 @@ async def test_a_responses_follow_up_through_the_other_gateway_finds_its_backend
                 await asyncio.sleep(0.5)  # the channel's delay (a Redis round trip)
                 status, got, previous = await _respond((g2, g1)[turn % 2], previous)
                 assert (status, got) == (200, owner), turn
+            for g in (g1, g2):  # found through the shared ids, not by asking each twin
+                async with aiohttp.ClientSession() as s, s.get(g + "/metrics") as r:
+                    page = await r.text()
+                names = [n for n, _, v in parse_samples(page) if v and "retries_total" in n]
+                assert names == [], names

@@ -356,8 +356,8 @@ async def _respond(url: str, previous: str | None) -> tuple[int, str, str]:
 async def test_a_responses_follow_up_finds_its_backend_on_every_worker() -> None:
     """vLLM (and the twin) keep a Responses conversation on the engine that answered
     it; any other answers 404. Worker A relays the first turn; the follow-ups, on new
-    connections through worker B, go to the same twin (``routing.shared_responses``).
-    Before, B had never seen the id and round robin spread them: 404s."""
+    connections through worker B, go to the same twin (``routing.shared_responses``),
+    at once. Before, B had never seen the id and round robin spread them: 404s."""
     async with twins({}, {}, {}) as servers:
         args = [a for t in servers for a in ("--backend", t.url)]
         async with _workers(*args, "--policy", "round_robin") as (url, proc):
@@ -368,3 +368,7 @@ async def test_a_responses_follow_up_finds_its_backend_on_every_worker() -> None
                 worker = (b, a)[turn % 2]
                 status, got, previous = await _respond(worker, previous)
                 assert (status, got) == (200, owner), turn
+            # found through the shared ids, not by asking the twins in turn (the
+            # fallback for an id no worker knows: ApiHooks.is_elsewhere)
+            retries = "kiloserve_gateway_retries_total"
+            assert await _own_metric(a, retries) + await _own_metric(b, retries) == 0

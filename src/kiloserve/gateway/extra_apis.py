@@ -241,6 +241,8 @@ def api_view(request: web.Request, body: Mapping[str, Any], request_id: str) -> 
         if owner is not None:
             request.app[_ROUTER_KEY].pins[request_id] = owner
             hooks.pinned_request_id = request_id
+        else:  # the proxy looks for it on the pool's backends (ApiHooks.is_elsewhere)
+            hooks.seek_owner = previous.encode()
     return profile_view(hooks.path, body)
 
 

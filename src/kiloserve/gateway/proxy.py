@@ -525,11 +525,13 @@ async def _attempt(
             att.finish(ok=False, status=got.status)
             return got
         resp, first = got
-        if _retryable_status(resp.status):
+        elsewhere = call.hooks is not None and call.hooks.is_elsewhere(resp.status, first)
+        if _retryable_status(resp.status) or elsewhere:
             resp.release()
             att.finish(ok=False, status=resp.status)
             headers = relayed_headers(call.info.request_id, backend_id, resp, "application/json")
-            return _Failure(f"http_{resp.status}", resp.status, first, headers)
+            why = "previous_response_elsewhere" if elsewhere else f"http_{resp.status}"
+            return _Failure(why, resp.status, first, headers)
         return await _serve(ctx, call, att, resp, first)
     except BaseException as exc:
         gone = isinstance(exc, asyncio.CancelledError | ConnectionError)
@@ -575,7 +577,8 @@ async def forward(
         and migration_requested(request.headers.get(MIGRATE_HEADER))
     ):
         call.body, call.ranked = body, decision.ranked if continue_on is None else continue_on
-    candidates = decision.ranked[: ctx.cfg.retries + 1]
+    seeking = hooks is not None and hooks.seek_owner is not None  # every backend may hold it
+    candidates = decision.ranked[: None if seeking else ctx.cfg.retries + 1]
     failure = _Failure("deadline_exceeded", status=504)
     backend_id = candidates[0]
     for i, backend_id in enumerate(candidates):
