@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 from kiloserve.policies.base import Policy
 from kiloserve.policies.prefix_index import PrefixIndex
+from kiloserve.routing.ring_cursors import unread
 from kiloserve.routing.shared_load import SharedLoad
 
 __all__ = ["SharedPrefixes"]
@@ -97,12 +98,7 @@ class SharedPrefixes:
                 index.listener = self.publish
             self._index = index
         q, me = self._q, self._load.worker
-        for w, base in enumerate(self._bases):
-            if w == me:
-                continue
-            end, pos = q[base], self._cursors[w]
-            if end == pos:
-                continue
+        for w, base, pos, end in unread(q, self._bases, self._cursors, me):
             if end - pos > self._size:
                 self.num_lost += 1
                 self._cursors[w] = end

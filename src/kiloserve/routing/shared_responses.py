@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 
+from kiloserve.routing.ring_cursors import unread
 from kiloserve.routing.shared_load import SharedLoad
 
 __all__ = ["SharedResponses", "response_key"]
@@ -67,12 +68,7 @@ class SharedResponses:
         q, me, cap = self._q, self._load.worker, self._capacity
         num_slots = self._load.layout.slots
         out: list[tuple[int, str]] = []
-        for w, base in enumerate(self._bases):
-            if w == me:
-                continue
-            end, pos = q[base], self._cursors[w]
-            if end == pos:
-                continue
+        for w, base, pos, end in unread(q, self._bases, self._cursors, me):
             if end - pos > cap:  # lapped: the oldest are gone
                 self.num_lost += end - pos - cap
                 pos = end - cap
