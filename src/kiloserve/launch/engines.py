@@ -19,7 +19,10 @@ child and writes the gateway config with the backend's metric ``dialect``.
 
 Every real engine gets a private scratch folder under the cluster's run dir for
 ``TMPDIR`` and its caches (vLLM otherwise litters /tmp and ~/.cache); ``env`` from the
-YAML is applied last, so it can override any of these.
+YAML is applied last, so it can override any of these. A vLLM's ``PYTHONPATH`` starts
+with ``launch/cpu_site``, whose ``sitecustomize`` asks Linux for AMX permission in every
+process of the engine (vLLM's CPU attention uses AMX without asking; the rest of the
+``PYTHONPATH`` follows, and a ``sitecustomize`` it shadows still runs).
 
 Paths in ``model_path``, ``python`` and ``command`` may use ``~`` and ``$VARS``
 (expanded here, e.g. ``~/.cache/kiloserve/tiny-model``).
@@ -356,7 +359,15 @@ def vllm_launch(
         argv += ["--kv-transfer-config", vllm_kv_transfer_config(spec.role)]
         env |= _nixl_side_channel(host)
     env |= dict(spec.env)
+    env["PYTHONPATH"] = _with_cpu_site(env.get("PYTHONPATH", os.environ.get("PYTHONPATH", "")))
     return EngineLaunch(argv + list(spec.extra_args), env, "/health", "vllm", REAL_START_TIMEOUT_S)
+
+
+def _with_cpu_site(pythonpath: str) -> str:
+    """``launch/cpu_site`` first: each vLLM process asks for AMX permission at start-up
+    (its CPU attention's AMX kernel does not, and dies with SIGILL without it)."""
+    site = str(Path(__file__).resolve().parent / "cpu_site")
+    return os.pathsep.join([site, *(p for p in pythonpath.split(os.pathsep) if p)])
 
 
 def sglang_launch(item: ExpandedBackend, host: str, port: int, scratch: Path) -> EngineLaunch:

@@ -58,14 +58,7 @@ pytestmark = [pytest.mark.real_engine, pytest.mark.slow, pytest.mark.timeout(600
 
 MAX_TOKENS = 32
 NUM_LAYERS = 2  # the tiny model's (scripts/make_tiny_model.py)
-# The NIXL pair runs in float32: on a CPU with AMX, vLLM 0.32's bf16 attention kernel
-# (its "amx" path, chosen for bf16 whenever AMX is there) dies with SIGILL in a NIXL
-# pair's first forward ("Fatal Python error: Illegal instruction" in
-# cpu_attention_with_kv_cache; the same kernel runs in every other real-vLLM test), so a
-# fresh-clone CI run on such a box failed all three NIXL tests. float32 takes the "vec"
-# kernel (docs/real-engines.md).
-NIXL_DTYPE = "float32"
-KV_BYTES_PER_TOKEN_LAYER = 2 * 2 * 64 * 4  # K and V, 2 KV heads of 64, float32
+KV_BYTES_PER_TOKEN_LAYER = 2 * 2 * 64 * 2  # K and V, 2 KV heads of 64, bf16
 # A prefill leg as vLLM's proxy (and the gateway) sends it.
 REMOTE_DECODE = {
     "do_remote_decode": True,
@@ -302,7 +295,6 @@ def nixl_pair(real_env: RealEnv, tmp_path_factory: pytest.TempPathFactory) -> It
         line["extra_args"] += _kv_config("NixlConnector", kv_role)
         if role == "decode":
             line["extra_args"].append("--no-enable-prefix-caching")
-        line["extra_args"][line["extra_args"].index("bfloat16")] = NIXL_DTYPE
         side_ports[name] = reserved_port("127.0.0.1")
         # The side channel binds VLLM_NIXL_SIDE_CHANNEL_PORT (default 5600): one per instance.
         line["env"] |= {
