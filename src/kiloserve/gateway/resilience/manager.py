@@ -223,13 +223,25 @@ class Resilience:
         reports a probe failure), a half-open breaker of this worker closes as on a
         passing probe of its own. Without this, an ejection by a worker that does not
         probe stayed half-open until that worker's next request, held out by every
-        worker meanwhile: with no traffic, or with little, for good."""
+        worker meanwhile: with no traffic, or with little, for good. Likewise a probe
+        failure this worker found while it probed for itself (worker 0's scrape had gone
+        stale): it is dropped once worker 0's probes of the backend pass, or it held the
+        backend out of every worker for good (a fresh-clone CI run of the real failover
+        test: a healthy vLLM out for minutes)."""
         if self.probed_elsewhere is None or not self.probed_elsewhere(backend_id):
             return False
         rec = self.table.record_or_none(backend_id)
         passing = rec is not None and PEER_PROBE_VETO not in rec.vetoes
         if passing and self.outlier.on_probe_success(backend_id, time.monotonic()):
             self._veto(backend_id, EJECT_VETO, False)
+        if passing and rec is not None and PROBE_VETO in rec.vetoes:
+            # this worker's own verdict from when it probed for itself (worker 0 was
+            # silent) would never be probed again: worker 0's passing one stands
+            logger.info("backend %s passes worker 0's probes: this worker's verdict dropped",
+                        backend_id)  # fmt: skip
+            self.probes.forget(backend_id)
+            self.table.set_probe_failure(backend_id, "")
+            self._veto(backend_id, PROBE_VETO, False)
         return True
 
     # -- verdicts shared with sibling workers -----------------------------------------

@@ -333,3 +333,24 @@ def test_the_demoter_judges_every_workers_samples() -> None:
         for load in loads:
             load.close()
         owner.close()
+
+
+def test_a_probe_failure_from_when_a_worker_probed_for_itself_ends_with_worker_0s_passes(
+    workers: tuple[Resilience, Resilience],
+) -> None:
+    """Worker 1 probed for itself while worker 0's scrape was stale and found "a"
+    failing; then worker 0 probes again (its probes of "a" pass) and worker 1 skips its
+    own. Before, worker 1's verdict was never probed again and held "a" out of both
+    workers for good (a fresh-clone CI run of the real failover test)."""
+    w0, w1 = workers
+    for _ in range(w1.cfg.health.unhealthy_threshold):
+        w1._on_probe("a", False, "timeout", time.monotonic())
+    assert PROBE_VETO in w1.table.record("a").vetoes
+    w0.tick(time.monotonic())
+    assert w0.table.record("a").vetoes == {PEER_PROBE_VETO}
+    w1.probed_elsewhere = lambda _b: True  # worker 0 is back: it probes for worker 1
+    w1.tick(time.monotonic())
+    assert w1._probed_elsewhere("a")
+    assert not w1.table.record("a").vetoes and w1.table.state("a").healthy
+    w0.tick(time.monotonic())
+    assert w0.table.state("a").healthy and not w0.table.record("a").vetoes
