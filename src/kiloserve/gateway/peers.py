@@ -179,19 +179,18 @@ class PeerLoad:
     def publish_sample(self, backend_id: str, kind: int, value: float) -> None:
         if self.inner is not None:
             self.inner.publish_sample(backend_id, kind, value)
-        samples = self._samples
-        if len(samples) >= MAX_SAMPLES_PER_MESSAGE:
-            del samples[: len(samples) - MAX_SAMPLES_PER_MESSAGE + 1]
-        samples.append((backend_id, kind, value))
-        if not self._wake.is_set():
-            self._wake.set()
+        self._keep(self._samples, (backend_id, kind, value))
 
     def publish_response(self, key: int, backend_id: str) -> None:
         """A Responses API id this process learnt (its ``response_key``) for the peers."""
-        responses = self._responses
-        if len(responses) >= MAX_SAMPLES_PER_MESSAGE:
-            del responses[: len(responses) - MAX_SAMPLES_PER_MESSAGE + 1]
-        responses.append((key, backend_id))
+        self._keep(self._responses, (key, backend_id))
+
+    def _keep(self, pending: list[Any], item: Any) -> None:
+        """``item`` for the next message (the oldest dropped beyond the bound); wake the
+        send loop."""
+        if len(pending) >= MAX_SAMPLES_PER_MESSAGE:
+            del pending[: len(pending) - MAX_SAMPLES_PER_MESSAGE + 1]
+        pending.append(item)
         if not self._wake.is_set():
             self._wake.set()
 

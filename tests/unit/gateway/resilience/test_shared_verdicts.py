@@ -8,6 +8,7 @@ sharing a backend worker 0 ejected stayed healthy on worker 1.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from collections.abc import Iterator
@@ -48,6 +49,19 @@ def _resilience() -> Resilience:
     table = BackendTable(cfg)
     router = Router(table, LeastRequestPolicy(), random.Random(0))
     return Resilience(cfg, router, GatewayMetrics(table))
+
+
+@contextlib.contextmanager
+def _segment(num_workers: int, slots: int = 8, ring: int = 16) -> Iterator[list[SharedLoad]]:
+    """A real segment and one attached handle per worker, closed at the end."""
+    owner = SharedLoad.create(LoadLayout(workers=num_workers, slots=slots, ring=ring))
+    loads = [SharedLoad.attach(owner.name, i) for i in range(num_workers)]
+    try:
+        yield loads
+    finally:
+        for load in loads:
+            load.close()
+        owner.close()
 
 
 @pytest.fixture
@@ -252,9 +266,7 @@ def test_a_long_run_on_one_worker_is_counted_exactly() -> None:
     still counts each, so a threshold above the ring still ejects."""
     from kiloserve.routing.shared_load import STREAK_RING
 
-    owner = SharedLoad.create(LoadLayout(workers=2, slots=4, ring=8))
-    loads = [SharedLoad.attach(owner.name, i) for i in (0, 1)]
-    try:
+    with _segment(2, slots=4, ring=8) as loads:
         v0, v1 = (SharedVerdicts(load) for load in loads)
         n = STREAK_RING + 5
         assert [v0.note_failure("a", float(t), t) for t in range(1, n + 1)][-1] == n
@@ -262,20 +274,14 @@ def test_a_long_run_on_one_worker_is_counted_exactly() -> None:
         assert v1.note_failure("a", n + 1.0, 1) == STREAK_RING + 1
         v1.note_reset("a", n + 2.0)
         assert v0.note_failure("a", n + 3.0, n + 1) == 1  # worker 1's success came between
-    finally:
-        for load in loads:
-            load.close()
-        owner.close()
 
 
 def test_max_ejection_percent_counts_the_siblings_ejections() -> None:
     """Two backends, at most 50% ejected: worker 0 ejected "a", so worker 1's failures on
     "b" must not eject "b" too (before, each worker held its own 50%, and the two
     together ejected the whole pool)."""
-    owner = SharedLoad.create(LoadLayout(workers=2, slots=8, ring=16))
-    loads = [SharedLoad.attach(owner.name, i) for i in (0, 1)]
-    pair = (_resilience(), _resilience())
-    try:
+    with _segment(2) as loads:
+        pair = (_resilience(), _resilience())
         for r, load in zip(pair, loads, strict=True):
             r.outlier.cfg = r.outlier.cfg.model_copy(update={"max_ejection_percent": 50.0})
             r.share = SharedVerdicts(load)
@@ -287,10 +293,6 @@ def test_max_ejection_percent_counts_the_siblings_ejections() -> None:
             w1.on_complete("b", _INFO, _FAILED)
         assert not w1.outlier.is_ejected("b")
         assert w1.table.state("b").healthy
-    finally:
-        for load in loads:
-            load.close()
-        owner.close()
 
 
 def _routed_pair(
@@ -316,9 +318,7 @@ def test_the_demoter_judges_every_workers_samples() -> None:
     one met by each worker: each worker's demoter has both and demotes it. Before, each
     judged only its own share (one sample each: nothing), so with N workers a slow node
     took N times the samples to be demoted."""
-    owner = SharedLoad.create(LoadLayout(workers=2, slots=8, ring=16))
-    loads = [SharedLoad.attach(owner.name, i) for i in (0, 1)]
-    try:
+    with _segment(2) as loads:
         (w0, r0), (w1, r1) = _routed_pair(loads)
         r0.first_token("a", _INFO, 5000.0)
         r1.first_token("a", _INFO, 5000.0)
@@ -329,10 +329,6 @@ def test_the_demoter_judges_every_workers_samples() -> None:
         for w in (w0, w1):
             assert w.demoter.weight_factor("a", now) == pytest.approx(low)
             assert w.demoter.weight_factor("b", now) == 1.0
-    finally:
-        for load in loads:
-            load.close()
-        owner.close()
 
 
 def test_a_probe_failure_from_when_a_worker_probed_for_itself_ends_with_worker_0s_passes(
